@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The main job on a fresh machine, no GPU needed: install mxdb, audit every
+# committed evidence bundle, load the shipped store export into a throwaway
+# store and answer dispatches from it as the H200 host that measured it would.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v mxdb >/dev/null 2>&1; then
+  python3 -m venv .venv
+  # shellcheck disable=SC1091
+  . .venv/bin/activate
+  python -m pip install -q --upgrade pip
+  python -m pip install -q -e .
+fi
+
+echo "== mxdb audit evidence/"
+mxdb audit evidence/
+
+store="$(mktemp -d)/mxdb-demo.sqlite"
+export MXDB_DB="sqlite:///$store"
+echo "== mxdb import mxdb evidence/store-export.json  (into $store)"
+mxdb import mxdb evidence/store-export.json
+
+fp=$(ls evidence/*/fingerprint.json | head -1)
+for m in 4 64 1024; do
+  echo "== mxdb dispatch Mixtral-8x7B bf16 M=$m (as recorded in $fp)"
+  mxdb dispatch --experts 8 --hidden 4096 --intermediate 14336 --topk 2 --tokens "$m" \
+    --dtype bf16 --routing-class uniform --fingerprint "$fp"
+done
+echo "== the same call on this machine's own fingerprint (no verified entry here: fallback)"
+mxdb dispatch --experts 8 --hidden 4096 --intermediate 14336 --topk 2 --tokens 4 --dtype bf16

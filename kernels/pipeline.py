@@ -1,0 +1,276 @@
+"""The fused-MoE layer on FlagGems 5.0.2's kernels, with an injected :class:`KernelConfig`.
+
+One call runs, in order (DESIGN section 4):
+
+1. ``moe_align_block_size`` at ``config.align_block``: token slots sorted by expert, each expert
+   padded to a multiple of the alignment block (skipped in the sparse "naive" mode, below);
+2. GEMM1 ``x[M,H] x w1[E,2I,H]`` with ``config.gemm1``;
+3. ``silu(gate) * up``;
+4. GEMM2 ``[M*k,I] x w2[E,H,I]`` times the routing weights, with ``config.gemm2``;
+5. ``moe_sum`` over the k experts of each token.
+
+Both GEMMs are FlagGems' own ``fused_moe_kernel``.  The launch is issued here rather than through
+``invoke_fused_moe_triton_kernel`` because that helper derives the grid from the GEMM's own
+``BLOCK_SIZE_M``: when ``align_block`` is larger than a GEMM's ``block_m``, its grid would be cut
+short for small batches.  Here the alignment produces one expert id per ``align_block`` rows; a
+GEMM with a smaller ``block_m`` gets an expanded copy (each alignment block covers
+``align_block / block_m`` tiles) and a grid over the full padded length.  The padded length
+(``num_tokens_post_padded``) is a multiple of ``align_block``, hence of every ``block_m``, so the
+one value serves both GEMMs.
+
+Sparse batches (``tokens * topk * 4 <= experts``) follow FlagGems: no alignment, one tile per token
+slot ("naive block assignment"); ``align_block`` is then unused.
+
+Every buffer is allocated once, at construction, for one token count; a call does no allocation
+of its own (FlagGems' alignment kernel allocates two small scratch tensors), no config lookup and
+no logging, so it can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import triton.language as tl
+from flag_gems.fused.fused_moe import MoEActivation, apply_moe_activation, fused_moe_kernel
+from flag_gems.fused.moe_align_block_size import moe_align_block_size_triton
+from flag_gems.fused.moe_sum import moe_sum
+
+from mxdb.configs import GemmConfig, KernelConfig
+from mxdb.shapes import MoEShape
+
+#: FlagGems skips the alignment when token slots are this sparse over the experts.
+SPARSITY_FACTOR = 4
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "fp16": torch.float16,
+    "fp32": torch.float32,
+}
+COMPUTE_TYPES: dict[str, Any] = {"bf16": tl.bfloat16, "fp16": tl.float16, "fp32": tl.float32}
+
+
+def uses_naive_assignment(tokens: int, topk: int, experts: int) -> bool:
+    """FlagGems' rule: sparse batches skip the alignment and give each token slot its own tile."""
+    return tokens * topk * SPARSITY_FACTOR <= experts
+
+
+def padded_length(slots: int, experts: int, align: int) -> int:
+    """An upper bound of ``num_tokens_post_padded``, rounded up to ``align``.
+
+    Each non-empty expert (at most ``min(experts, slots)``) adds fewer than ``align`` padding
+    slots, and no expert pads to more than ``align`` slots per real slot.
+    """
+    bound = min(slots * align, slots + min(experts, slots) * (align - 1))
+    return -(-bound // align) * align
+
+
+@dataclass(frozen=True)
+class GemmLaunch:
+    """Everything about one GEMM launch that does not depend on the call's tensors."""
+
+    which: str  # "gemm1" or "gemm2"
+    n: int
+    k: int
+    em: int
+    num_valid: int
+    stride_am: int
+    stride_be: int
+    stride_bn: int
+    stride_cm: int
+    top_k: int
+    mul_routed_weight: bool
+    naive: bool
+    gemm: GemmConfig
+    dtype: str
+
+    @property
+    def grid(self) -> tuple[int]:
+        g = self.gemm
+        return (-(-self.em // g.block_m) * -(-self.n // g.block_n),)
+
+    def args(
+        self, a: Any, b: Any, c: Any, topk_weights: Any, sorted_ids: Any, expert_ids: Any, ntpp: Any
+    ) -> tuple[list[Any], dict[str, Any]]:
+        """Positional and keyword arguments of ``fused_moe_kernel`` (tensors or torch dtypes).
+
+        Passing torch dtypes in place of tensors gives the arguments ``JITFunction.warmup``
+        takes: the compile workers use this same function, so they fill the cache entry that
+        the timing process later looks up.
+        """
+        g = self.gemm
+        args = [
+            a, b, c,
+            None, None, None,  # bias, A scale, B scale
+            topk_weights,
+            None if self.naive else sorted_ids,
+            expert_ids,
+            ntpp,
+            self.n, self.k, self.em, self.num_valid,
+            self.stride_am, 1,  # stride_am, stride_ak
+            self.stride_be, 1, self.stride_bn,  # stride_be, stride_bk, stride_bn
+            self.stride_cm, 1,  # stride_cm, stride_cn
+            0, 0, 0, 0, 0, 0, 0,  # scale and bias strides
+            0, 0,  # group_n, group_k
+        ]  # fmt: skip
+        kwargs = {
+            "MUL_ROUTED_WEIGHT": self.mul_routed_weight,
+            "top_k": self.top_k,
+            "compute_type": COMPUTE_TYPES[self.dtype],
+            "use_fp8_w8a8": False,
+            "use_int8_w8a8": False,
+            "use_int8_w8a16": False,
+            "per_channel_quant": False,
+            "naive_block_assignment": self.naive,
+            "HAS_BIAS": False,
+            "BLOCK_SIZE_K": g.block_k,
+            "SWAP_AB": False,
+            "BLOCK_SIZE_M": g.block_m,
+            "BLOCK_SIZE_N": g.block_n,
+            "GROUP_SIZE_M": g.group_m,
+            "SPLIT_K": 1,
+            "num_warps": g.num_warps,
+            "num_stages": g.num_stages,
+        }
+        return args, kwargs
+
+
+def gemm_launches(
+    shape: MoEShape, config: KernelConfig, naive: bool | None = None
+) -> tuple[GemmLaunch, GemmLaunch]:
+    """The two GEMM launches of ``shape`` under ``config`` (pure arithmetic, no GPU)."""
+    e, h, i, k, m = shape.experts, shape.hidden, shape.intermediate, shape.topk, shape.tokens
+    if naive is None:
+        naive = uses_naive_assignment(m, k, e)
+    slots = m * k
+    common = {"num_valid": slots, "naive": naive, "dtype": shape.dtype}
+
+    def em(g: GemmConfig) -> int:
+        return slots * g.block_m if naive else padded_length(slots, e, config.align_block)
+
+    g1 = GemmLaunch(
+        which="gemm1", n=2 * i, k=h, em=em(config.gemm1), stride_am=h, stride_be=2 * i * h,
+        stride_bn=h, stride_cm=2 * i, top_k=k, mul_routed_weight=False, gemm=config.gemm1, **common,
+    )  # fmt: skip
+    g2 = GemmLaunch(
+        which="gemm2", n=h, k=i, em=em(config.gemm2), stride_am=i, stride_be=h * i,
+        stride_bn=i, stride_cm=h, top_k=1, mul_routed_weight=True, gemm=config.gemm2, **common,
+    )  # fmt: skip
+    return g1, g2
+
+
+class MoEPipeline:
+    """The MoE layer for one shape (token count included) and one config; buffers preallocated.
+
+    ``pipeline(x, topk_weights, topk_ids)`` returns the ``[M, H]`` output buffer (overwritten by
+    the next call) or writes into ``out``.  ``topk_ids`` must be contiguous; its dtype (int32 or
+    int64) is part of the compiled kernel's key in the sparse mode.
+    """
+
+    def __init__(
+        self,
+        shape: MoEShape,
+        config: KernelConfig,
+        w1: torch.Tensor,
+        w2: torch.Tensor,
+        *,
+        naive: bool | None = None,
+    ) -> None:
+        e, h, i, k, m = shape.experts, shape.hidden, shape.intermediate, shape.topk, shape.tokens
+        dtype = TORCH_DTYPES[shape.dtype]
+        if tuple(w1.shape) != (e, 2 * i, h) or tuple(w2.shape) != (e, h, i):
+            raise ValueError(
+                f"weights {tuple(w1.shape)}, {tuple(w2.shape)} do not match {shape!r}: "
+                f"w1 must be {(e, 2 * i, h)} and w2 {(e, h, i)}"
+            )
+        if w1.dtype != dtype or w2.dtype != dtype:
+            raise ValueError(f"weights are {w1.dtype}/{w2.dtype}; {shape!r} needs {dtype}")
+        if not (w1.is_contiguous() and w2.is_contiguous()):
+            raise ValueError("w1 and w2 must be contiguous")
+        self.shape = shape
+        self.config = config
+        self.w1 = w1
+        self.w2 = w2
+        self.g1, self.g2 = gemm_launches(shape, config, naive)
+        self.naive = self.g1.naive
+        dev = w1.device
+        slots = m * k
+        align = config.align_block
+        i32 = torch.int32
+        self.ntpp = torch.empty(1, dtype=i32, device=dev)
+        # (destination, source) pairs that expand per-alignment-block expert ids to per-tile ids
+        self._expand: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if self.naive:
+            # every tile index below slots * block_m is live; align >= both block_m
+            self.ntpp.fill_(slots * align)
+            self.sorted_ids: torch.Tensor | None = None
+            self.align_expert_ids: torch.Tensor | None = None
+            self._tile_ids: dict[str, torch.Tensor | None] = {"gemm1": None, "gemm2": None}
+        else:
+            length = padded_length(slots, e, align)
+            self.sorted_ids = torch.empty(length, dtype=i32, device=dev)
+            self.align_expert_ids = torch.empty(length // align, dtype=i32, device=dev)
+            expanded: dict[int, torch.Tensor] = {}
+            for g in (config.gemm1, config.gemm2):
+                bm = g.block_m
+                if bm != align and bm not in expanded:
+                    buf = torch.empty(length // bm, dtype=i32, device=dev)
+                    expanded[bm] = buf
+                    src = self.align_expert_ids[:, None].expand(-1, align // bm)
+                    self._expand.append((buf.view(-1, align // bm), src))
+            self._tile_ids = {
+                "gemm1": expanded.get(config.gemm1.block_m, self.align_expert_ids),
+                "gemm2": expanded.get(config.gemm2.block_m, self.align_expert_ids),
+            }
+        # cache1 ([M, k, 2I]) and cache3 ([M, k, H]) are separate: no aliasing across calls
+        self.cache1 = torch.empty((m, k, 2 * i), dtype=dtype, device=dev)
+        self.cache2 = torch.empty((slots, i), dtype=dtype, device=dev)
+        self.cache3 = torch.empty((m, k, h), dtype=dtype, device=dev)
+        self.out = torch.empty((m, h), dtype=dtype, device=dev)
+        self._cache1_2d = self.cache1.view(slots, 2 * i)
+        self._a1, self._k1 = self.g1.args(
+            None, w1, self.cache1, None, self.sorted_ids, self._tile_ids["gemm1"], self.ntpp
+        )
+        self._a2, self._k2 = self.g2.args(
+            self.cache2, w2, self.cache3, None, self.sorted_ids, self._tile_ids["gemm2"], self.ntpp
+        )
+        self._grid1 = self.g1.grid
+        self._grid2 = self.g2.grid
+        self._silu = MoEActivation.SILU
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        e = self.shape.experts
+        if self.naive:
+            ids = topk_ids.view(-1)
+            a1 = self._a1
+            a1[0], a1[6], a1[8] = x, topk_weights, ids
+            a2 = self._a2
+            a2[6], a2[8] = topk_weights, ids
+        else:
+            moe_align_block_size_triton(
+                topk_ids,
+                e,
+                self.config.align_block,
+                self.sorted_ids,
+                self.align_expert_ids,
+                self.ntpp,
+            )
+            for dst, src in self._expand:
+                dst.copy_(src)
+            a1 = self._a1
+            a1[0], a1[6] = x, topk_weights
+            a2 = self._a2
+            a2[6] = topk_weights
+        fused_moe_kernel[self._grid1](*a1, **self._k1)
+        apply_moe_activation(self._silu, self.cache2, self._cache1_2d)
+        fused_moe_kernel[self._grid2](*a2, **self._k2)
+        result = self.out if out is None else out
+        moe_sum(self.cache3, result)
+        return result

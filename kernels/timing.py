@@ -1,0 +1,84 @@
+"""Interleaved GPU timing of several layer callables: CUDA-graph replays or eager calls.
+
+Every candidate is timed on the same stream, in turn (A B C A B C ...), with device events;
+samples are microseconds per layer call.
+
+* ``graph``: each callable is captured ``calls_per_sample`` times in one CUDA graph; a sample is
+  one replay, divided by ``calls_per_sample`` (amortizing the replay's own launch).  This is the
+  GPU time of the layer, free of host overhead.
+* ``eager``: a sample is ``calls_per_sample`` plain back-to-back calls between two events, divided
+  likewise.  When the host is the bottleneck the GPU waits for it, so this measures what an
+  eager inference loop pays per call.
+
+Both warm up first (compilation, autotuning of FlagGems' ``moe_sum``, module loading), outside
+any capture.  The host never synchronizes between samples: events are read once at the end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+METHODS = ("graph", "eager")
+
+
+def capture(fn: Callable[[], object], calls: int, stream: torch.cuda.Stream | None = None):
+    """A CUDA graph of ``calls`` back-to-back calls of ``fn`` (already warmed up)."""
+    graph = torch.cuda.CUDAGraph()
+    side = stream if stream is not None else torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # one call on the capture stream first, as PyTorch recommends
+    torch.cuda.current_stream().wait_stream(side)
+    with torch.cuda.graph(graph, stream=side):
+        for _ in range(calls):
+            fn()
+    return graph
+
+
+def time_interleaved(
+    fns: Sequence[Callable[[], object]],
+    *,
+    reps: int,
+    method: str = "graph",
+    calls_per_sample: int = 8,
+    warmup: int = 3,
+) -> list[list[float]]:
+    """Samples (us per call) for each of ``fns``, interleaved; ``reps`` samples each."""
+    if method not in METHODS:
+        raise ValueError(f"timing method {method!r} is not one of {', '.join(METHODS)}")
+    if reps < 1 or calls_per_sample < 1:
+        raise ValueError("reps and calls_per_sample must be at least 1")
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    torch.cuda.synchronize()
+    n = len(fns)
+    if method == "graph":
+        graphs = [capture(fn, calls_per_sample) for fn in fns]
+        for g in graphs:  # first replays upload the graph
+            g.replay()
+            g.replay()
+        torch.cuda.synchronize()
+
+        def body(i: int) -> None:
+            graphs[i].replay()
+
+    else:
+
+        def body(i: int) -> None:
+            fn = fns[i]
+            for _ in range(calls_per_sample):
+                fn()
+
+    starts = [[torch.cuda.Event(enable_timing=True) for _ in range(reps)] for _ in range(n)]
+    ends = [[torch.cuda.Event(enable_timing=True) for _ in range(reps)] for _ in range(n)]
+    for r in range(reps):
+        for i in range(n):
+            starts[i][r].record()
+            body(i)
+            ends[i][r].record()
+    torch.cuda.synchronize()
+    scale = 1000.0 / calls_per_sample
+    return [[starts[i][r].elapsed_time(ends[i][r]) * scale for r in range(reps)] for i in range(n)]

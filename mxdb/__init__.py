@@ -1,0 +1,34 @@
+"""mxdb: a database of verified, routing-aware Triton kernel configs for fused-MoE layers.
+
+The core is GPU-free: importing ``mxdb`` never imports torch, triton or
+flag_gems.  The GPU layer is ``mxdb.kernels``, imported only on demand.
+
+    >>> import mxdb
+    >>> shape = mxdb.MoEShape(experts=8, hidden=4096, intermediate=14336, topk=2, tokens=4,
+    ...                       dtype="bf16")
+    >>> decision = mxdb.dispatch(shape, "uniform")      # doctest: +SKIP
+    >>> decision.config, decision.level, decision.reason  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from mxdb.configs import GemmConfig, KernelConfig
+from mxdb.decision import Decision
+from mxdb.dispatcher import Dispatcher, DispatchOptions, configure, dispatch
+from mxdb.errors import MxdbError
+from mxdb.shapes import MoEShape
+
+__all__ = [
+    "Decision",
+    "DispatchOptions",
+    "Dispatcher",
+    "GemmConfig",
+    "KernelConfig",
+    "MoEShape",
+    "MxdbError",
+    "__version__",
+    "configure",
+    "dispatch",
+]

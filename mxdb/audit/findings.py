@@ -1,0 +1,155 @@
+"""What the audit reports: findings (one per problem), options and the overall result."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mxdb.evidence import stats
+
+#: Every check code the audit emits, with its meaning (stable: tests and CI key on them).
+CHECKS: dict[str, str] = {
+    "bundle.none_found": "a PATH holds no bundle (no manifest.json under it)",
+    "bundle.symlink": "a symbolic link inside a bundle (never followed)",
+    "bundle.special_file": "a non-regular file (fifo, socket, device) inside a bundle",
+    "bundle.milestone_fingerprint": "two bundles of one milestone have different fingerprints",
+    "json.invalid": "a file is not valid JSON (truncated, edited) or not a JSON object",
+    "schema.wrong_document": "a file declares another document type than its place requires",
+    "schema.unknown_version": "a document's schema_version is one this mxdb does not understand",
+    "schema.invalid": "a document violates its JSON Schema",
+    "manifest.digest_mismatch": "the manifest digest is not the digest of its file list",
+    "manifest.unsafe_path": "a manifest path is absolute, has '..' or is otherwise unsafe",
+    "manifest.changed": "a file's SHA-256 differs from the manifest",
+    "manifest.missing_file": "a file listed in the manifest is absent",
+    "manifest.extra_file": "a file is present but not listed in the manifest",
+    "signature.missing": "no signature by a trusted key",
+    "signature.invalid": "a signature does not verify (wrong key, edited manifest, bad bytes)",
+    "signature.duplicate": "two signatures by the same key",
+    "signature.untrusted": "signed only by keys outside --trusted-keys",
+    "signature.malformed": "a signature file cannot be read",
+    "fingerprint.hash_mismatch": "a fingerprint's hash is not the hash of its components",
+    "fingerprint.component_mismatch": "a run's environment differs from the milestone's",
+    "trace.hash_mismatch": "a trace's hash is not the hash of its ids (or of its file name)",
+    "trace.invalid": "a trace's ids do not match its declared tokens/topk/experts",
+    "run.id_mismatch": "a run file's name is not its run_id",
+    "run.duplicate_id": "two run files carry the same run_id",
+    "run.milestone_mismatch": "a run names another milestone than the bundle",
+    "run.config_hash_mismatch": "a run's config_hash is not the hash of its config",
+    "run.config_invalid": "a run's config is not a valid kernel config",
+    "run.shape_invalid": "a run's shape is impossible (top-k above the expert count)",
+    "run.trace_missing": "a run names a trace the bundle does not hold",
+    "run.trace_mismatch": "a run's shape does not match its trace, or its group mixes traces",
+    "run.sample_invalid": "a timing sample is not a finite positive number",
+    "run.median_mismatch": "a run's median is not the median of its samples",
+    "run.p90_mismatch": "a run's p90 is not the p90 of its samples",
+    "run.count_mismatch": "a run's replicate count is not its number of samples",
+    "run.timing_missing": "a run with status ok has no timing",
+    "run.pair_invalid": "a control run without a pair, or a pair that is not two same-config runs",
+    "correctness.threshold_mismatch": "a run's thresholds are not the dtype's table",
+    "correctness.passed_mismatch": "a run's passed flag is not the verdict of its errors",
+    "correctness.status_mismatch": "a run's status contradicts its correctness",
+    "summary.missing": "a bundle has runs but no summary.json",
+    "summary.unknown_run": "the summary refers to a run that is not in the bundle",
+    "summary.failure_missing": "the summary lists a failure whose run is not in the bundle",
+    "summary.control_in_speedup": "a control (same-config) run is counted as a speedup",
+    "summary.baseline_ambiguous": "a comparison group has more than one baseline",
+    "summary.group_missing": "a comparison group recomputed from the runs is absent",
+    "summary.group_extra": "the summary claims a group no run supports",
+    "summary.speedup_mismatch": "a claimed speedup differs from the recomputed one",
+    "summary.noise_band_mismatch": "a claimed noise band differs from the recomputed one",
+    "summary.median_mismatch": "a claimed median differs from the runs' samples",
+    "summary.geomean_mismatch": "a claimed geometric mean differs from the recomputed one",
+    "summary.count_mismatch": "a claimed count differs from the runs",
+    "summary.verified_mismatch": "a claimed verified flag differs from the recomputed one",
+    "summary.best_mismatch": "the claimed best candidate is not the recomputed one",
+    "summary.failures_mismatch": "the listed failures differ from the runs' failures",
+    "summary.floor_mismatch": "a memory-floor figure differs from the recomputed one",
+    "summary.field_mismatch": "another summary field differs from its recomputation",
+    "report.speedup_mismatch": "a report's speedup differs from the recomputed one",
+    "report.noise_band_mismatch": "a report's noise band differs from the recomputed one",
+    "report.median_mismatch": "a report's median differs from the recomputed one",
+    "report.geomean_mismatch": "a report's geometric mean differs from the recomputed one",
+    "report.count_mismatch": "a report's count differs from the runs",
+    "report.verified_mismatch": "a report's verified flag differs from the recomputed one",
+    "report.failures_mismatch": "a report's failures differ from the runs'",
+    "report.floor_mismatch": "a report's memory-floor figure differs",
+    "report.group_missing": "a report lacks a row for a comparison group",
+    "report.group_extra": "a report has a row no run supports",
+    "report.field_mismatch": "another report field differs from its recomputation",
+    "store_export.missing_config": "a verified config is not in the bundle's store export",
+    "store_export.hash_mismatch": "a store-export entry's config hash differs from the evidence",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """One problem: which check, where (file and field), what was expected and what was found."""
+
+    check: str
+    file: str
+    field: str
+    expected: str
+    found: str
+    message: str
+
+    def to_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+    def line(self) -> str:
+        where = f"{self.file}: {self.field}" if self.field else self.file
+        return (
+            f"{where}: [{self.check}] {self.message} (expected {self.expected}; found {self.found})"
+        )
+
+
+@dataclass(frozen=True)
+class AuditOptions:
+    """How to audit: trusted public keys (signatures then required) and float tolerance."""
+
+    trusted_keys: Path | None = None
+    rel_tol: float = stats.REL_TOL
+    abs_tol: float = stats.ABS_TOL
+    max_schema_errors: int = 5
+
+
+@dataclass(frozen=True)
+class BundleResult:
+    """The audit of one bundle."""
+
+    path: str
+    bundle_id: str | None
+    milestone: str | None
+    fingerprint_hash: str | None
+    runs: int
+    findings: tuple[Finding, ...]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "bundle_id": self.bundle_id,
+            "milestone": self.milestone,
+            "fingerprint_hash": self.fingerprint_hash,
+            "runs": self.runs,
+            "ok": not self.findings,
+            "findings": len(self.findings),
+        }
+
+
+@dataclass(frozen=True)
+class AuditResult:
+    """The audit of every PATH: its bundles and all findings (bundle-level and cross-bundle)."""
+
+    bundles: tuple[BundleResult, ...]
+    findings: tuple[Finding, ...] = field(default=())
+
+    @property
+    def ok(self) -> bool:
+        return not self.findings
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "bundles": [b.to_dict() for b in self.bundles],
+            "findings": [f.to_dict() for f in self.findings],
+            "ok": self.ok,
+        }

@@ -1,0 +1,117 @@
+"""``mxdb tune``: search, measure and verify kernel configs for a workload on this host's GPUs."""
+
+from __future__ import annotations
+
+import functools
+
+import click
+
+from mxdb.cli.app import cli, db_option, emit_json, handle_errors, json_option
+from mxdb.errors import UsageError
+
+
+def _devices(value: str | None) -> list[int] | None:
+    if value is None or not value.strip():
+        return None
+    try:
+        devs = [int(x) for x in value.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(
+            f"--devices takes comma-separated GPU indices such as 0,1; got {value!r}"
+        ) from None
+    if not devs or any(d < 0 for d in devs):
+        raise UsageError(f"--devices takes non-negative GPU indices such as 0,1; got {value!r}")
+    return devs
+
+
+@cli.command("tune")
+@click.argument("workload", type=click.Path(dir_okay=False))
+@db_option
+@click.option(
+    "--out",
+    "out_dir",
+    default="evidence",
+    show_default=True,
+    metavar="DIR",
+    help="Folder for the evidence bundle (a new <workload>-<time> folder inside it).",
+)
+@click.option(
+    "--budget",
+    type=float,
+    default=None,
+    metavar="MINUTES",
+    help="Wall-clock budget; points not started when it runs out stay pending for the next run.",
+)
+@click.option(
+    "--devices",
+    default=None,
+    metavar="0,1",
+    help="GPU indices: one worker process per GPU (default: one worker on the current GPU).",
+)
+@click.option(
+    "--backend",
+    type=click.Choice(["gpu", "fake"]),
+    default="gpu",
+    show_default=True,
+    help="gpu: measure on the GPU. fake: a dry run on an analytic CPU model (for demos and "
+    "tests; its results are not real measurements).",
+)
+@click.option("--no-progress", is_flag=True, help="Do not draw the progress bar on stderr.")
+@json_option
+@handle_errors
+def tune_cmd(
+    workload: str,
+    db: str | None,
+    out_dir: str,
+    budget: float | None,
+    devices: str | None,
+    backend: str,
+    no_progress: bool,
+    as_json: bool,
+) -> None:
+    """Tune the fused-MoE configs of WORKLOAD (a YAML or JSON file; see examples/workloads/).
+
+    Every point (model shape, token count, dtype, routing) is searched with the
+    multi-fidelity ladder (resource proxy, compile, synthetic-routing halving, replayed
+    routing, layer check); every candidate is recorded, failures too.  Winners that are
+    correct and faster than FlagGems' own choice beyond the measured noise band are stored
+    as verified entries under this host's fingerprint.  Interrupted runs resume: run the
+    same command again.
+    """
+    from mxdb.tune.runner import gpu_backend_factory, tune
+    from mxdb.tune.workload import load_workload
+
+    wl = load_workload(workload)
+    devs = _devices(devices)
+    if backend == "fake":
+        from mxdb.tune.fake import FakeBackend
+
+        factory = functools.partial(FakeBackend, seed=wl.seed)
+    else:
+        factory = gpu_backend_factory  # type: ignore[assignment]
+    report = tune(
+        wl,
+        store_url=db,
+        out_dir=out_dir,
+        budget_minutes=budget,
+        devices=devs,
+        backend_factory=factory,
+        progress=not no_progress,
+    )
+    if as_json:
+        emit_json(report.to_dict())
+        return
+    click.echo(
+        f"{report.workload}: {report.points_done}/{report.points_total} points done "
+        f"({report.points_measured} measured now), {len(report.verified)} verified, "
+        f"{report.seconds:.1f} s"
+    )
+    for v in report.verified:
+        click.echo(
+            f"  {v['family']} {v['dtype']} M={v['tokens']} {v['routing_class']}: "
+            f"{v['speedup']:.3f}x (noise {v['noise_band']:.4f})"
+        )
+    if report.bundle:
+        click.echo(f"evidence: {report.bundle}")
+    if report.points_done < report.points_total:
+        click.echo("budget ran out: run the same command again to finish", err=True)

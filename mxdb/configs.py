@@ -1,0 +1,180 @@
+"""Kernel configurations: one Triton tile config per GEMM, plus the alignment block.
+
+A fused-MoE layer runs two grouped GEMMs; mxdb lets each take its own tile
+config.  ``moe_align_block_size`` pads every expert's token slots to a multiple
+of ``align_block``, which must be a multiple of each GEMM's ``BLOCK_SIZE_M`` so
+that no GEMM tile straddles two experts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from mxdb.errors import ConfigError
+
+#: Triton's spelling of each GemmConfig field, as vLLM and FlagGems tables write it.
+TRITON_KEYS = {
+    "block_m": "BLOCK_SIZE_M",
+    "block_n": "BLOCK_SIZE_N",
+    "block_k": "BLOCK_SIZE_K",
+    "group_m": "GROUP_SIZE_M",
+    "num_warps": "num_warps",
+    "num_stages": "num_stages",
+}
+_FROM_TRITON = {v: k for k, v in TRITON_KEYS.items()}
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+class GemmConfig(BaseModel):
+    """The Triton launch config of one grouped GEMM."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    block_m: int = Field(ge=1, le=1024)
+    block_n: int = Field(ge=1, le=1024)
+    block_k: int = Field(ge=1, le=1024)
+    group_m: int = Field(default=1, ge=1, le=256)
+    num_warps: int = Field(default=4, ge=1, le=32)
+    num_stages: int = Field(default=2, ge=1, le=16)
+
+    @model_validator(mode="after")
+    def _powers_of_two(self) -> GemmConfig:
+        for name in ("block_m", "block_n", "block_k", "num_warps"):
+            value = getattr(self, name)
+            if not _is_pow2(value):
+                raise ValueError(f"{name} must be a power of two, got {value}")
+        return self
+
+    def to_triton(self) -> dict[str, int]:
+        """The dict that ``invoke_fused_moe_triton_kernel`` and vLLM's tables use."""
+        return {TRITON_KEYS[k]: v for k, v in self.model_dump().items()}
+
+    @classmethod
+    def from_triton(cls, data: dict[str, Any]) -> GemmConfig:
+        """Parse a vLLM/FlagGems-style dict (``BLOCK_SIZE_M`` ... ``num_stages``)."""
+        if not isinstance(data, dict):
+            raise ConfigError(f"a GEMM config must be an object, got {type(data).__name__}")
+        unknown = sorted(set(data) - set(_FROM_TRITON) - set(TRITON_KEYS))
+        if unknown:
+            raise ConfigError(
+                f"unknown GEMM config keys {unknown}; valid keys are {', '.join(TRITON_KEYS.values())}"
+            )
+        fields = {_FROM_TRITON.get(k, k): v for k, v in data.items()}
+        try:
+            return cls(**fields)
+        except ValidationError as exc:
+            raise ConfigError(f"invalid GEMM config {data}: {_first_error(exc)}") from None
+
+    def short(self) -> str:
+        return (
+            f"M{self.block_m}/N{self.block_n}/K{self.block_k}/G{self.group_m}"
+            f"/w{self.num_warps}/s{self.num_stages}"
+        )
+
+
+class KernelConfig(BaseModel):
+    """A whole fused-MoE layer config: both GEMMs and the alignment block."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    gemm1: GemmConfig
+    gemm2: GemmConfig
+    align_block: int = Field(ge=1, le=1024)
+
+    @model_validator(mode="after")
+    def _alignment(self) -> KernelConfig:
+        for name in ("gemm1", "gemm2"):
+            bm = getattr(self, name).block_m
+            if self.align_block % bm:
+                raise ValueError(
+                    f"align_block ({self.align_block}) must be a multiple of {name}.block_m ({bm})"
+                )
+        return self
+
+    @classmethod
+    def uniform(cls, gemm: GemmConfig) -> KernelConfig:
+        """One config for both GEMMs, aligned to its BLOCK_SIZE_M (what vLLM and FlagGems do)."""
+        return cls(gemm1=gemm, gemm2=gemm, align_block=gemm.block_m)
+
+    @classmethod
+    def parse(cls, data: Any) -> KernelConfig:
+        """Accept mxdb's form ({gemm1, gemm2, align_block}) or a flat vLLM-style dict, or JSON text."""
+        if isinstance(data, (str, bytes)):
+            try:
+                data = json.loads(data)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"config is not valid JSON: {exc}") from None
+        if isinstance(data, KernelConfig):
+            return data
+        if not isinstance(data, dict):
+            raise ConfigError(f"a kernel config must be an object, got {type(data).__name__}")
+        if "gemm1" in data or "gemm2" in data:
+            try:
+                g1 = data["gemm1"]
+                g2 = data.get("gemm2", g1)
+                gemm1 = g1 if isinstance(g1, GemmConfig) else _gemm_any(g1)
+                gemm2 = g2 if isinstance(g2, GemmConfig) else _gemm_any(g2)
+                align = data.get("align_block", max(gemm1.block_m, gemm2.block_m))
+                extra = sorted(set(data) - {"gemm1", "gemm2", "align_block"})
+                if extra:
+                    raise ConfigError(
+                        f"unknown kernel config keys {extra}; valid: gemm1, gemm2, align_block"
+                    )
+                return cls(gemm1=gemm1, gemm2=gemm2, align_block=align)
+            except KeyError:
+                raise ConfigError("a kernel config with gemm2 needs gemm1 too") from None
+            except ValidationError as exc:
+                raise ConfigError(f"invalid kernel config: {_first_error(exc)}") from None
+        return cls.uniform(_gemm_any(data))
+
+    def canonical_json(self) -> str:
+        return json.dumps(self.model_dump(), sort_keys=True, separators=(",", ":"))
+
+    @property
+    def hash(self) -> str:
+        """SHA-256 (hex, first 16 digits) of the canonical JSON: the config's identity."""
+        return config_hash(self.model_dump())
+
+    def short(self) -> str:
+        if self.gemm1 == self.gemm2 and self.align_block == self.gemm1.block_m:
+            return self.gemm1.short()
+        return f"{self.gemm1.short()} | {self.gemm2.short()} | align{self.align_block}"
+
+
+def config_hash(config: dict[str, Any]) -> str:
+    """The identity of any op's config dict: SHA-256 of its canonical JSON, 16 hex digits."""
+    text = json.dumps(config, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _gemm_any(data: Any) -> GemmConfig:
+    if isinstance(data, GemmConfig):
+        return data
+    if isinstance(data, dict) and any(k in data for k in _FROM_TRITON):
+        return GemmConfig.from_triton(data)
+    if isinstance(data, dict):
+        unknown = sorted(set(data) - set(TRITON_KEYS))
+        if unknown:
+            raise ConfigError(
+                f"unknown GEMM config keys {unknown}; valid keys are "
+                f"{', '.join(TRITON_KEYS)} or {', '.join(TRITON_KEYS.values())}"
+            )
+        try:
+            return GemmConfig(**data)
+        except ValidationError as exc:
+            raise ConfigError(f"invalid GEMM config {data}: {_first_error(exc)}") from None
+    raise ConfigError(f"a GEMM config must be an object, got {type(data).__name__}")
+
+
+def _first_error(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err.get("loc", ()))
+    msg = str(err.get("msg", "invalid"))
+    return f"{loc}: {msg}" if loc else msg

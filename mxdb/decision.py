@@ -1,0 +1,73 @@
+"""Dispatch decisions: the answer ``mxdb.dispatch`` gives, and why.
+
+A decision is a frozen slots dataclass (cheap to build and pass on the hot
+path).  ``config`` is ``None`` for a fallback: the caller then uses FlagGems'
+own choice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from mxdb.configs import KernelConfig
+
+#: The level that answered.
+EXACT = "exact"
+NEIGHBOUR = "neighbour"
+FALLBACK = "fallback"
+LEVELS = (EXACT, NEIGHBOUR, FALLBACK)
+
+#: Machine-readable reasons.
+REASONS: dict[str, str] = {
+    "exact_match": "a verified entry for this exact key and routing class",
+    "neighbour_tokens": "a verified entry of the same family at a nearby token count",
+    "adjacent_routing": "a verified entry for an adjacent routing class",
+    "neighbour_tokens_adjacent_routing": "a verified entry at a nearby token count and adjacent routing class",
+    "no_entry": "no stored entry for this op, dtype and shape family",
+    "no_verified_entry": "entries exist but none is verified (imported or rejected only)",
+    "fingerprint_mismatch": "verified entries exist, but for another environment fingerprint",
+    "stale": "the matching entries are stale (their environment changed); re-tune",
+    "tokens_out_of_range": "verified entries exist, but none within the measured token neighbourhood",
+    "routing_class_far": "verified entries exist, but only for non-adjacent routing classes",
+    "unknown_routing_class": "the routing class given is not one mxdb knows",
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What to run for one call, the level that answered, and why."""
+
+    config: KernelConfig | None
+    level: str
+    confidence: float
+    reason: str
+    entry_id: int | None = None
+    tokens: int | None = None
+    routing_class: str | None = None
+
+    @property
+    def is_fallback(self) -> bool:
+        return self.config is None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "config": self.config.model_dump() if self.config is not None else None,
+            "config_hash": self.config.hash if self.config is not None else None,
+            "triton_config": (
+                {"gemm1": self.config.gemm1.to_triton(), "gemm2": self.config.gemm2.to_triton()}
+                if self.config is not None
+                else None
+            ),
+            "level": self.level,
+            "confidence": self.confidence,
+            "reason": self.reason,
+            "reason_text": REASONS.get(self.reason, self.reason),
+            "entry_id": self.entry_id,
+            "entry_tokens": self.tokens,
+            "entry_routing_class": self.routing_class,
+        }
+
+
+def fallback(reason: str) -> Decision:
+    return Decision(config=None, level=FALLBACK, confidence=0.0, reason=reason)

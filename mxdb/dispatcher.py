@@ -1,0 +1,359 @@
+"""Confidence dispatch: the verified config for a call, or the safe fallback and why.
+
+The hot path is one monotonic-clock read and one dict lookup keyed by
+``(shape, routing_class)``.  A miss resolves the key from an in-memory copy of
+the shape family's store rows (one query per family, then cached).  The
+store's generation counter is polled at most every ``refresh_interval``
+seconds, so entries written by another process become visible without a
+query per call.
+
+The rule (DESIGN section 6): an entry may answer only when it is verified, its
+environment fingerprint matches the current one under the policy, it has the
+same op, dtype and shape family, its token count is within ``neighbour_ratio``
+of the call's, and its routing class is the same or adjacent.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import math
+import os
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from mxdb.configs import KernelConfig
+from mxdb.decision import EXACT, NEIGHBOUR, Decision, fallback
+from mxdb.errors import UsageError
+from mxdb.models import ADJACENT_CLASSES, ROUTING_CLASSES, Fingerprint
+
+if TYPE_CHECKING:
+    from mxdb.store import DispatchRow, Store
+
+_monotonic = time.monotonic
+
+#: Confidence of each way of answering (times a token-distance factor for neighbours).
+CONFIDENCE_EXACT = 1.0
+CONFIDENCE_ADJACENT_ROUTING = 0.75
+CONFIDENCE_NEIGHBOUR_TOKENS = 0.9
+
+
+@dataclass(frozen=True)
+class DispatchOptions:
+    """How strict the dispatcher is and how often it looks for store changes."""
+
+    policy: str = "strict"
+    neighbour_ratio: float = 2.0
+    refresh_interval: float = 1.0
+    default_routing_class: str = "uniform"
+
+    def __post_init__(self) -> None:
+        if self.policy not in ("strict", "device"):
+            raise UsageError(f"fingerprint policy {self.policy!r} unknown; use strict or device")
+        if not self.neighbour_ratio >= 1.0:
+            raise UsageError(f"neighbour_ratio must be >= 1, got {self.neighbour_ratio}")
+        if self.refresh_interval < 0:
+            raise UsageError(f"refresh_interval must be >= 0, got {self.refresh_interval}")
+        if self.default_routing_class not in ROUTING_CLASSES:
+            raise UsageError(
+                f"default routing class {self.default_routing_class!r} unknown; "
+                f"use one of {', '.join(ROUTING_CLASSES)}"
+            )
+
+
+@dataclass
+class _Family:
+    """The store rows of one (op, dtype, family), parsed once."""
+
+    rows: list[DispatchRow]
+    configs: dict[str, KernelConfig] = field(default_factory=dict)
+    #: routing class -> (sorted token counts, the best eligible row at each); None until built
+    index: dict[str, tuple[list[int], list[DispatchRow]]] | None = None
+    empty_reason: str = "no_verified_entry"
+
+
+class Dispatcher:
+    """Answers ``dispatch(shape, routing)`` from a store for one environment fingerprint."""
+
+    def __init__(
+        self,
+        store: Store | None,
+        fingerprint: Fingerprint | None,
+        options: DispatchOptions | None = None,
+    ) -> None:
+        self.store = store
+        self.fingerprint = fingerprint
+        self.options = options or DispatchOptions()
+        self._lock = threading.RLock()
+        self._cache: dict[tuple[Any, Any], Decision] = {}
+        self._families: dict[tuple[str, str, str], _Family] = {}
+        self._fingerprints: dict[str, Fingerprint] | None = None
+        self._match_cache: dict[str, bool] = {}
+        self._generation = store.generation() if store is not None else 0
+        self._deadline = _monotonic() + self.options.refresh_interval
+
+    # -- hot path -----------------------------------------------------------------
+
+    def dispatch(self, shape: Any, routing: Any = None) -> Decision:
+        """The decision for ``shape`` under ``routing`` (a routing class name, features, or None)."""
+        if _monotonic() >= self._deadline:
+            self._poll()
+        try:
+            decision = self._cache.get((shape, routing))
+        except TypeError:  # an unhashable routing (e.g. a dict): answer without caching
+            return self.resolve(shape, routing)
+        if decision is None:
+            decision = self._miss(shape, routing)
+        return decision
+
+    __call__ = dispatch
+
+    # -- cache maintenance ------------------------------------------------------------
+
+    def _poll(self) -> None:
+        with self._lock:
+            now = _monotonic()
+            if now < self._deadline:
+                return
+            self._deadline = now + self.options.refresh_interval
+            if self.store is None:
+                return
+            generation = self.store.generation()
+            if generation != self._generation:
+                self._generation = generation
+                self._invalidate()
+
+    def _invalidate(self) -> None:
+        self._cache = {}
+        self._families = {}
+        self._fingerprints = None
+        self._match_cache = {}
+
+    def refresh(self) -> None:
+        """Drop every cached decision now (the next calls re-read the store)."""
+        with self._lock:
+            if self.store is not None:
+                self._generation = self.store.generation()
+            self._invalidate()
+            self._deadline = _monotonic() + self.options.refresh_interval
+
+    # -- slow path --------------------------------------------------------------------
+
+    def _miss(self, shape: Any, routing: Any) -> Decision:
+        with self._lock:
+            decision = self.resolve(shape, routing)
+            # Only hashable, immutable keys are cached (strings, None, frozen features).
+            self._cache[(shape, routing)] = decision
+            return decision
+
+    def resolve(self, shape: Any, routing: Any = None) -> Decision:
+        """Work out the decision without the per-key cache (the family rows are still cached)."""
+        if not all(hasattr(shape, a) for a in ("op", "dtype", "family", "tokens")):
+            raise UsageError(
+                f"dispatch needs a shape such as mxdb.MoEShape(experts=, hidden=, intermediate=, "
+                f"topk=, tokens=, dtype=); got {type(shape).__name__}"
+            )
+        routing_class = self._routing_class(routing)
+        if routing_class not in ROUTING_CLASSES:
+            return fallback("unknown_routing_class")
+        fam = self._family(shape.op, shape.dtype, shape.family)
+        if fam is None or not fam.rows:
+            return fallback("no_entry")
+        if fam.index is None:
+            self._index(fam)
+        assert fam.index is not None
+        if not fam.index:
+            return fallback(fam.empty_reason)
+        return self._choose(fam, shape.tokens, routing_class)
+
+    def _index(self, fam: _Family) -> None:
+        """Group the dispatchable rows by routing class, sorted by tokens, best row per token count."""
+        verified = [r for r in fam.rows if r.status == "verified"]
+        eligible = [r for r in verified if self._fingerprint_ok(r.fingerprint_hash)]
+        if not verified:
+            stale = any(r.status == "stale" for r in fam.rows)
+            fam.empty_reason = "stale" if stale else "no_verified_entry"
+        elif not eligible:
+            stale_here = any(
+                r.status == "stale" and self._fingerprint_ok(r.fingerprint_hash) for r in fam.rows
+            )
+            fam.empty_reason = "stale" if stale_here else "fingerprint_mismatch"
+        best: dict[tuple[str, int], DispatchRow] = {}
+        for r in eligible:
+            key = (r.routing_class, r.tokens)
+            old = best.get(key)
+            if old is None or (r.speedup or 0.0, r.id) > (old.speedup or 0.0, old.id):
+                best[key] = r
+        index: dict[str, tuple[list[int], list[DispatchRow]]] = {}
+        for (cls, _tokens), r in sorted(best.items(), key=lambda kv: kv[0]):
+            toks, rows = index.setdefault(cls, ([], []))
+            toks.append(r.tokens)
+            rows.append(r)
+        fam.index = index
+
+    def _choose(self, fam: _Family, tokens: int, routing_class: str) -> Decision:
+        assert fam.index is not None
+        ratio_limit = self.options.neighbour_ratio
+        span = math.log2(ratio_limit) or 1.0
+        best: tuple[float, float, int, DispatchRow, str] | None = None
+        any_class_ok = False
+        classes = [(routing_class, CONFIDENCE_EXACT, True)]
+        classes += [
+            (c, CONFIDENCE_ADJACENT_ROUTING, False) for c in ADJACENT_CLASSES[routing_class]
+        ]
+        for cls, base, same in classes:
+            slot = fam.index.get(cls)
+            if slot is None:
+                continue
+            any_class_ok = True
+            toks, rows = slot
+            i = bisect.bisect_left(toks, tokens)
+            for j in (i - 1, i):
+                if not 0 <= j < len(toks):
+                    continue
+                row = rows[j]
+                ratio = max(row.tokens, tokens) / min(row.tokens, tokens)
+                if ratio > ratio_limit:
+                    continue
+                conf = base
+                if ratio != 1.0:
+                    # Confidence falls with the log-distance in tokens, to half at the edge.
+                    conf *= CONFIDENCE_NEIGHBOUR_TOKENS * (1.0 - 0.5 * math.log2(ratio) / span)
+                    reason = "neighbour_tokens" if same else "neighbour_tokens_adjacent_routing"
+                else:
+                    reason = "exact_match" if same else "adjacent_routing"
+                cand = (conf, row.speedup or 0.0, row.id, row, reason)
+                if best is None or cand[:3] > best[:3]:
+                    best = cand
+        if best is None:
+            return fallback("tokens_out_of_range" if any_class_ok else "routing_class_far")
+        confidence, _, _, row, reason = best
+        config = fam.configs.get(row.config_hash)
+        if config is None:
+            config = KernelConfig.parse(json.loads(row.config_json))
+            fam.configs[row.config_hash] = config
+        return Decision(
+            config=config,
+            level=EXACT if reason == "exact_match" else NEIGHBOUR,
+            confidence=round(confidence, 4),
+            reason=reason,
+            entry_id=row.id,
+            tokens=row.tokens,
+            routing_class=row.routing_class,
+        )
+
+    def _routing_class(self, routing: Any) -> str:
+        if routing is None:
+            return self.options.default_routing_class
+        if isinstance(routing, str):
+            return routing
+        cls = getattr(routing, "routing_class", None)
+        if isinstance(cls, str):
+            return cls
+        raise UsageError(
+            f"routing must be a routing class name ({', '.join(ROUTING_CLASSES)}), "
+            f"RoutingFeatures or None; got {type(routing).__name__}"
+        )
+
+    def _family(self, op: str, dtype: str, family: str) -> _Family | None:
+        key = (op, dtype, family)
+        fam = self._families.get(key)
+        if fam is None:
+            if self.store is None:
+                return None
+            fam = _Family(rows=self.store.family_rows(op, dtype, family))
+            self._families[key] = fam
+        return fam
+
+    def _fingerprint_ok(self, fingerprint_hash: str | None) -> bool:
+        if fingerprint_hash is None or self.fingerprint is None:
+            return False
+        ok = self._match_cache.get(fingerprint_hash)
+        if ok is None:
+            if fingerprint_hash == self.fingerprint.hash:
+                ok = True
+            else:
+                from mxdb.fingerprint import matches
+
+                if self._fingerprints is None:
+                    assert self.store is not None
+                    self._fingerprints = self.store.fingerprints()
+                other = self._fingerprints.get(fingerprint_hash)
+                ok = other is not None and matches(other, self.fingerprint, self.options.policy)
+            self._match_cache[fingerprint_hash] = ok
+        return ok
+
+
+# -- the process-wide default ----------------------------------------------------------
+
+_default: Dispatcher | None = None
+_default_lock = threading.Lock()
+
+
+def current_fingerprint() -> Fingerprint:
+    """This process's environment fingerprint.
+
+    ``$MXDB_FINGERPRINT`` (a JSON file) overrides it.  When torch is already
+    imported and a GPU is visible, the GPU layer adds the live device facts;
+    otherwise only what is knowable without a GPU is filled in.
+    """
+    from mxdb.fingerprint import collect, load_fingerprint
+
+    path = os.environ.get("MXDB_FINGERPRINT")
+    if path:
+        return load_fingerprint(path)
+    live: Mapping[str, Any] | None = None
+    if "torch" in sys.modules:
+        try:
+            from mxdb.kernels.live import live_fingerprint_components
+
+            live = live_fingerprint_components()
+        except Exception:  # no GPU, or the GPU layer is not installed: CPU facts only
+            live = None
+    return collect(live)
+
+
+def configure(
+    store: Store | str | None = None,
+    *,
+    fingerprint: Fingerprint | None = None,
+    options: DispatchOptions | None = None,
+) -> Dispatcher:
+    """Set up the process-wide dispatcher used by ``mxdb.dispatch`` and return it."""
+    from mxdb.store import Store
+
+    global _default
+    opened = store if isinstance(store, Store) else Store.open(store)
+    dispatcher = Dispatcher(opened, fingerprint or current_fingerprint(), options)
+    with _default_lock:
+        _default = dispatcher
+    return dispatcher
+
+
+def default_dispatcher() -> Dispatcher:
+    """The process-wide dispatcher, opened on first use on the default store."""
+    global _default
+    if _default is None:
+        with _default_lock:
+            if _default is None:
+                from mxdb.store import Store
+
+                _default = Dispatcher(Store.open(None), current_fingerprint())
+    return _default
+
+
+def dispatch(shape: Any, routing: Any = None) -> Decision:
+    """The verified config for ``shape`` under ``routing``, or the fallback with its reason.
+
+    ``shape`` is an :class:`mxdb.MoEShape`; ``routing`` is a routing class
+    (``"uniform"``, ``"skewed"``, ``"hot"``, ``"sparse"``), a ``RoutingFeatures``,
+    or ``None`` (treated as uniform).
+    """
+    d = _default
+    if d is None:
+        d = default_dispatcher()
+    return d.dispatch(shape, routing)

@@ -1,0 +1,171 @@
+"""Milestone reports: the summary as Markdown, JSON and PNG plots.
+
+``build_report`` is a pure function of a summary document, so the auditor recomputes a
+bundle's ``report/report.json`` from the runs and compares every figure.  Plots need
+matplotlib (the ``plot`` extra), imported only when plots are drawn, with the Agg backend.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from mxdb.errors import EvidenceError, NotFoundError
+from mxdb.evidence.files import atomic_write, dumps
+from mxdb.evidence.models import SCHEMA_VERSION
+
+
+def build_report(summary: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``mxdb.report`` document of a summary: one row per shape and routing class."""
+    rows = []
+    for g in summary["groups"]:
+        sp, nb = g["speedup"], g["noise_band"]
+        rows.append(
+            {
+                "key": g["key"],
+                "family": g["family"],
+                "dtype": g["dtype"],
+                "tokens": g["tokens"],
+                "routing_class": g["routing_class"],
+                "baseline_median_us": g["baseline_median_us"],
+                "best_median_us": g["best_median_us"],
+                "speedup": sp,
+                "noise_band": nb,
+                "speedup_low": sp / (1.0 + nb) if sp is not None and nb is not None else None,
+                "verified": g["verified"],
+                "floor_fraction": g["floor_fraction"],
+                "failures": list(g["failures"]),
+            }
+        )
+    return {
+        "schema": "mxdb.report",
+        "schema_version": SCHEMA_VERSION,
+        "milestone": summary["milestone"],
+        "fingerprint_hash": summary["fingerprint_hash"],
+        "rows": rows,
+        "geomean_speedup": summary["geomean_speedup"],
+        "geomean_verified_speedup": summary["geomean_verified_speedup"],
+        "failures": [dict(f) for f in summary["failures"]],
+        "counts": json.loads(json.dumps(summary["counts"])),
+    }
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def render_markdown(report: Mapping[str, Any]) -> str:
+    """The report as Markdown: a table per shape, every failure listed."""
+    out = [f"# Milestone {report['milestone']}", ""]
+    out.append(f"Environment fingerprint `{report['fingerprint_hash']}`.")
+    c = report["counts"]
+    out.append(
+        f"{c['runs']} runs in {c['groups']} comparison groups; {c['verified_groups']} verified; "
+        f"{c['control_pairs']} control pairs (A vs A, never counted in a speedup)."
+    )
+    out.append(
+        f"Geometric mean speedup: {_fmt(report['geomean_speedup'], '.4f')} (all groups with a "
+        f"speedup), {_fmt(report['geomean_verified_speedup'], '.4f')} (verified groups)."
+    )
+    out.append("")
+    out.append(
+        "Speedup = median(baseline) / median(best correct candidate); noise band = largest "
+        "max/min - 1 of the group's control pairs; verified when speedup - 1 > noise band."
+    )
+    by_shape: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
+    for r in report["rows"]:
+        by_shape[f"{r['family']} {r['dtype']}"].append(r)
+    for shape, rows in sorted(by_shape.items()):
+        out += ["", f"## {shape}", ""]
+        out.append(
+            "| M | routing | baseline us | best us | speedup | noise band | verified "
+            "| floor fraction | failures |"
+        )
+        out.append("|---:|---|---:|---:|---:|---:|---|---:|---|")
+        for r in sorted(rows, key=lambda r: (r["tokens"], r["routing_class"])):
+            out.append(
+                f"| {r['tokens']} | {r['routing_class']} | {_fmt(r['baseline_median_us'], '.3f')} "
+                f"| {_fmt(r['best_median_us'], '.3f')} | {_fmt(r['speedup'], '.4f')} "
+                f"| {_fmt(r['noise_band'], '.4f')} | {'yes' if r['verified'] else 'no'} "
+                f"| {_fmt(r['floor_fraction'], '.3f')} | {', '.join(r['failures']) or '-'} |"
+            )
+    out += ["", "## Failures", ""]
+    if not report["failures"]:
+        out.append("None.")
+    for f in report["failures"]:
+        out.append(f"- `{f['run_id']}`: {f['status']}" + (f" ({f['error']})" if f["error"] else ""))
+    return "\n".join(out) + "\n"
+
+
+def _plot(report: Mapping[str, Any], out_dir: Path) -> list[Path]:
+    try:
+        import matplotlib
+    except ImportError:
+        raise EvidenceError(
+            "plots need matplotlib, which is not installed; install the extra "
+            "(pip install 'mxdb[plot]') or pass --no-plots"
+        ) from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for field, ylabel, name in (
+        ("speedup", "speedup over baseline", "speedup_vs_m.png"),
+        ("floor_fraction", "fraction of memory-bound floor", "floor_fraction_vs_m.png"),
+    ):
+        series: dict[str, list[tuple[int, float, float]]] = defaultdict(list)
+        for r in report["rows"]:
+            if r[field] is not None:
+                err = (r["noise_band"] or 0.0) * r[field] if field == "speedup" else 0.0
+                label = f"{r['family']} {r['dtype']} {r['routing_class']}"
+                series[label].append((r["tokens"], r[field], err))
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for label, pts in sorted(series.items()):
+            pts.sort()
+            ax.errorbar(
+                [p[0] for p in pts],
+                [p[1] for p in pts],
+                yerr=[p[2] for p in pts],
+                marker="o",
+                capsize=3,
+                label=label,
+            )
+        if field == "speedup":
+            ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens M")
+        ax.set_ylabel(ylabel)
+        ax.set_title(f"{report['milestone']}: {ylabel}")
+        if series:
+            ax.legend(fontsize=7)
+        path = out_dir / name
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def write_report(bundle: Path, out_dir: Path, *, plots: bool = True) -> list[Path]:
+    """Recompute a bundle's summary from its runs and write report.md, report.json and plots."""
+    from mxdb.evidence.writer import build_summary
+
+    bundle = Path(bundle)
+    summary_path = bundle / "summary.json"
+    if not summary_path.is_file():
+        raise NotFoundError(
+            f"no summary.json in {bundle}; give the directory of a finished evidence bundle"
+        )
+    claimed = json.loads(summary_path.read_bytes())
+    summary = build_summary(bundle, bandwidth_bytes_per_s=claimed.get("bandwidth_bytes_per_s"))
+    rep = build_report(summary)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write(out_dir / "report.json", dumps(rep))
+    atomic_write(out_dir / "report.md", render_markdown(rep).encode())
+    written = [out_dir / "report.md", out_dir / "report.json"]
+    if plots:
+        written += _plot(rep, out_dir)
+    return written

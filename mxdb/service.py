@@ -1,0 +1,81 @@
+"""One-shot operations behind the CLI: each opens the store, does one thing, closes it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from mxdb.errors import UsageError
+from mxdb.shapes import MoEShape
+
+
+def dispatch_once(
+    db: str | None,
+    *,
+    experts: int,
+    hidden: int,
+    intermediate: int,
+    topk: int,
+    tokens: int,
+    dtype: str,
+    routing_trace: str | Path | None = None,
+    routing_class: str | None = None,
+    fingerprint_file: str | Path | None = None,
+    policy: str = "strict",
+) -> dict[str, Any]:
+    """The dispatch decision for one call, as a JSON-ready dict (shape and routing included)."""
+    from mxdb.dispatcher import Dispatcher, DispatchOptions, current_fingerprint
+    from mxdb.fingerprint import load_fingerprint
+    from mxdb.store import Store
+
+    shape = MoEShape(experts, hidden, intermediate, topk, tokens, dtype)
+    if routing_trace is not None and routing_class is not None:
+        raise UsageError("give either --routing-trace or --routing-class, not both")
+    features: dict[str, Any] | None = None
+    if routing_trace is not None:
+        from mxdb.routing import features as routing_features
+        from mxdb.routing import load_topk
+
+        ids = load_topk(routing_trace, experts=experts)
+        if ids.shape[1] != topk:
+            raise UsageError(
+                f"routing trace {routing_trace} has k={ids.shape[1]} experts per token; "
+                f"the shape has --topk {topk}"
+            )
+        feats = routing_features(ids, experts)
+        routing_class = feats.routing_class
+        features = feats.to_dict()
+    fingerprint = load_fingerprint(fingerprint_file) if fingerprint_file else current_fingerprint()
+    with Store.open(db) as store:
+        dispatcher = Dispatcher(store, fingerprint, DispatchOptions(policy=policy))
+        decision = dispatcher.resolve(shape, routing_class)
+    out: dict[str, Any] = {
+        "shape": {**shape.to_dict(), "family": shape.family},
+        "routing_class": routing_class or dispatcher.options.default_routing_class,
+        "fingerprint_hash": fingerprint.hash,
+        **decision.to_dict(),
+        "config_short": decision.config.short() if decision.config is not None else None,
+    }
+    if features is not None:
+        out["routing_features"] = features
+    return out
+
+
+def store_info(db: str | None) -> dict[str, Any]:
+    """URL, schema revision and counts of the store."""
+    from mxdb.store import Store
+
+    with Store.open(db) as store:
+        entries = store.entries()
+        by_status: dict[str, int] = {}
+        for e in entries:
+            by_status[e.status] = by_status.get(e.status, 0) + 1
+        return {
+            "url": store.url,
+            "dialect": store.dialect,
+            "revision": store.get_meta("schema_revision") or "unknown",
+            "generation": store.generation(),
+            "entries": len(entries),
+            "entries_by_status": by_status,
+            "fingerprints": len(store.fingerprints()),
+        }

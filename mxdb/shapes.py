@@ -1,0 +1,167 @@
+"""Shapes: the hot-path keys of the store and the dispatcher.
+
+A shape is a tuple subclass (``op`` first, then the op's dimensions), so that
+hashing and comparing it on the dispatch hot path costs what a tuple costs.
+Validation happens once, when the shape is built.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mxdb.errors import ShapeError
+
+#: Canonical dtype names, and the spellings accepted for each.
+DTYPES: dict[str, str] = {
+    "fp16": "fp16",
+    "float16": "fp16",
+    "half": "fp16",
+    "torch.float16": "fp16",
+    "bf16": "bf16",
+    "bfloat16": "bf16",
+    "torch.bfloat16": "bf16",
+    "fp32": "fp32",
+    "float32": "fp32",
+    "float": "fp32",
+    "torch.float32": "fp32",
+}
+
+#: Bytes per element of each canonical dtype.
+DTYPE_BYTES: dict[str, int] = {"fp16": 2, "bf16": 2, "fp32": 4}
+
+MOE_OP = "fused_moe"
+
+
+def canonical_dtype(dtype: object) -> str:
+    """Return the canonical name (fp16, bf16, fp32) of ``dtype``, given as a string or torch dtype."""
+    name = str(dtype).strip().lower()
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise ShapeError(
+            f"dtype {dtype!r} is not supported; use one of fp16, bf16, fp32 "
+            f"(also accepted: {', '.join(sorted(k for k in DTYPES if k not in DTYPE_BYTES))})"
+        ) from None
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool):
+        raise ShapeError(f"{name} must be a positive integer, got {value!r}")
+    if isinstance(value, int):
+        as_int = value
+    else:
+        # numpy integers and the like are fine if they convert exactly
+        try:
+            as_int = int(value)  # type: ignore[call-overload]
+        except (TypeError, ValueError):
+            raise ShapeError(f"{name} must be a positive integer, got {value!r}") from None
+        if as_int != value:
+            raise ShapeError(f"{name} must be a positive integer, got {value!r}")
+    if as_int <= 0:
+        raise ShapeError(f"{name} must be a positive integer, got {value}")
+    return as_int
+
+
+class MoEShape(tuple):  # type: ignore[type-arg]
+    """One call of the fused-MoE layer: ``(op, dtype, experts, hidden, intermediate, topk, tokens)``.
+
+    ``intermediate`` is the per-expert intermediate size I (w1 is ``[E, 2I, H]``,
+    w2 is ``[E, H, I]``); vLLM's table files call it N.
+    """
+
+    __slots__ = ()
+
+    FIELDS = ("experts", "hidden", "intermediate", "topk", "tokens")
+
+    def __new__(
+        cls,
+        experts: int,
+        hidden: int,
+        intermediate: int,
+        topk: int,
+        tokens: int,
+        dtype: object = "bf16",
+    ) -> MoEShape:
+        e = _positive_int("experts", experts)
+        h = _positive_int("hidden", hidden)
+        i = _positive_int("intermediate", intermediate)
+        k = _positive_int("topk", topk)
+        m = _positive_int("tokens", tokens)
+        if k > e:
+            raise ShapeError(f"topk ({k}) cannot exceed the number of experts ({e})")
+        return tuple.__new__(cls, (MOE_OP, canonical_dtype(dtype), e, h, i, k, m))
+
+    op = property(lambda self: self[0], doc="The op name, always 'fused_moe'.")
+    dtype = property(lambda self: self[1], doc="Canonical dtype name.")
+    experts = property(lambda self: self[2], doc="Number of experts E.")
+    hidden = property(lambda self: self[3], doc="Hidden size H.")
+    intermediate = property(lambda self: self[4], doc="Per-expert intermediate size I.")
+    topk = property(lambda self: self[5], doc="Experts per token k.")
+    tokens = property(lambda self: self[6], doc="Tokens in the batch M.")
+
+    @property
+    def family(self) -> str:
+        """The shape without its token count: what a table file or a lean layer is built for."""
+        return f"E{self[2]}-H{self[3]}-I{self[4]}-k{self[5]}"
+
+    def with_tokens(self, tokens: int) -> MoEShape:
+        """The same shape at another token count."""
+        return MoEShape(self[2], self[3], self[4], self[5], tokens, self[1])
+
+    def dims(self) -> dict[str, int]:
+        """The dimensions as a plain dict (without op and dtype)."""
+        return dict(zip(self.FIELDS, self[2:], strict=True))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"op": self[0], "dtype": self[1], **self.dims()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> MoEShape:
+        """Build from a dict with the fields of ``to_dict`` (``op``, if present, must be fused_moe)."""
+        if not isinstance(data, dict):
+            raise ShapeError(f"a shape must be an object, got {type(data).__name__}")
+        op = data.get("op", MOE_OP)
+        if op != MOE_OP:
+            raise ShapeError(f"shape op is {op!r}; expected {MOE_OP!r}")
+        missing = [f for f in (*cls.FIELDS, "dtype") if f not in data]
+        if missing:
+            raise ShapeError(
+                f"shape is missing {', '.join(missing)}; a shape needs "
+                f"{', '.join((*cls.FIELDS, 'dtype'))}"
+            )
+        return cls(**{f: data[f] for f in (*cls.FIELDS, "dtype")})
+
+    def __repr__(self) -> str:
+        return (
+            f"MoEShape(experts={self[2]}, hidden={self[3]}, intermediate={self[4]}, "
+            f"topk={self[5]}, tokens={self[6]}, dtype={self[1]!r})"
+        )
+
+    def __getnewargs__(self) -> tuple[Any, ...]:  # pickling
+        return (self[2], self[3], self[4], self[5], self[6], self[1])
+
+    def memory_floor_bytes(self, active_experts: int | None = None) -> int:
+        """Bytes of expert weights a call must read: active experts x 3 x H x I x bytes per element."""
+        e, h, i, k, m = (int(x) for x in self[2:])
+        e_active = active_experts if active_experts is not None else min(e, k * m)
+        return e_active * 3 * h * i * DTYPE_BYTES[str(self[1])]
+
+
+#: Model presets: (experts, hidden, intermediate, topk).
+PRESETS: dict[str, tuple[int, int, int, int]] = {
+    "mixtral-8x7b": (8, 4096, 14336, 2),
+    "qwen3-30b-a3b": (128, 2048, 768, 8),
+    "deepseek-v2-lite": (64, 2048, 1408, 6),
+    "olmoe-1b-7b": (64, 2048, 1024, 8),
+}
+
+
+def preset_shape(name: str, tokens: int, dtype: object = "bf16") -> MoEShape:
+    """The MoE shape of a known model at ``tokens`` tokens."""
+    try:
+        e, h, i, k = PRESETS[name.lower()]
+    except KeyError:
+        raise ShapeError(
+            f"unknown model preset {name!r}; known presets: {', '.join(sorted(PRESETS))}"
+        ) from None
+    return MoEShape(e, h, i, k, tokens, dtype)

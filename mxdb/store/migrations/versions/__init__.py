@@ -1,0 +1,1 @@
+"""mxdb.store.migrations.versions."""

@@ -1,0 +1,102 @@
+"""The protocol between the tuner and whatever measures kernel configs.
+
+``mxdb.kernels.backend.GpuBackend`` implements it on a GPU; ``mxdb.tune.fake.FakeBackend``
+implements it with an analytic cost model for CPU tests.  Failures (out of resources, compile
+errors, timeouts, wrong results) are *results*, never exceptions: the tuner records them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from mxdb.configs import KernelConfig
+    from mxdb.models import Fingerprint
+    from mxdb.profiles import DeviceProfile
+    from mxdb.shapes import MoEShape
+
+CompileStatus = Literal["ok", "oor", "compile_error", "timeout"]
+TimingStatus = Literal["ok", "oor", "compile_error", "timeout", "wrong"]
+
+#: Timing methods a backend may be asked for.
+TIMING_METHODS: tuple[str, ...] = ("graph", "eager")
+
+
+@dataclass(frozen=True, slots=True)
+class CompileResult:
+    """The outcome of compiling one config for one shape."""
+
+    config_hash: str
+    status: CompileStatus
+    error: str | None
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Timing:
+    """Raw timing samples of one config (microseconds per layer call), or why there are none."""
+
+    status: TimingStatus
+    samples_us: tuple[float, ...]
+    error: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Correctness:
+    """A whole-layer result compared with the float32 reference."""
+
+    max_abs_err: float
+    rel_err: float
+    threshold_abs: float
+    threshold_rel: float
+    passed: bool
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """What the tuner needs from a measuring device."""
+
+    name: str
+
+    def fingerprint(self) -> Fingerprint:
+        """The live environment fingerprint."""
+        ...
+
+    def profile(self) -> DeviceProfile:
+        """The device's resource profile (shared memory, registers, warp size...)."""
+        ...
+
+    def baseline_config(self, shape: MoEShape) -> KernelConfig:
+        """FlagGems' own choice for this call: the baseline every speedup is measured against."""
+        ...
+
+    def compile(self, shape: MoEShape, configs: Sequence[KernelConfig]) -> list[CompileResult]:
+        """Compile every config (in parallel on host cores); one result per config, in order."""
+        ...
+
+    def time(
+        self,
+        shape: MoEShape,
+        topk_ids: np.ndarray,
+        configs: Sequence[KernelConfig],
+        *,
+        reps: int,
+        seed: int,
+        method: str = "graph",
+    ) -> list[Timing]:
+        """Time every config on the same inputs and routing, interleaved A B C A B C ...
+
+        ``configs`` may repeat (a same-config control pair).  ``method`` is "graph" (CUDA-graph
+        replay of the whole layer) or "eager".  One Timing per config, in order.
+        """
+        ...
+
+    def check(
+        self, shape: MoEShape, topk_ids: np.ndarray, config: KernelConfig, *, seed: int
+    ) -> Correctness:
+        """Run the whole layer with ``config`` and compare it with the float32 reference."""
+        ...

@@ -1,0 +1,500 @@
+"""``tune``: split a workload into points, let workers claim and measure them, write evidence.
+
+Work sharing has one mechanism at every scale: the points of a job live in the store, and a
+worker *claims* one (``Store.claim_point``), renews its lease while it measures, and writes
+the point's measurements and verified entry together with the point's completion in one
+transaction (``Store.complete_point``).  One worker per GPU (``devices=[0, 1]``: spawned
+processes with ``CUDA_VISIBLE_DEVICES`` set), several hosts against one PostgreSQL store, or a
+worker killed mid-point and a second run: each point is measured by exactly one worker, and
+nothing is half-written or verified twice.
+
+The job is named after the workload's content and the environment fingerprint, so that only
+identical environments share work.  At the end the evidence bundle (runs, traces, fingerprint,
+summary, manifest, store export of the verified entries) is assembled from the store.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from mxdb.errors import MxdbError, UsageError
+from mxdb.models import Entry, Fingerprint, Measurement
+from mxdb.shapes import MoEShape
+from mxdb.store import Claim, Store
+from mxdb.tune.backend import Backend
+from mxdb.tune.search import PointInput, RoutingInput, SearchResult, search
+from mxdb.tune.space import SearchSpace, peer_seeds
+from mxdb.tune.traces import Trace, point_traces
+from mxdb.tune.verify import judge, verified_entry
+from mxdb.tune.workload import Point, SearchOptions, Workload
+
+BackendFactory = Callable[[], Backend]
+#: Seconds a claim lasts without renewal; a heartbeat renews it every third of that.
+LEASE_S = 120.0
+
+
+@dataclass
+class TuneReport:
+    """What a ``tune`` call did."""
+
+    job: str
+    workload: str
+    fingerprint_hash: str
+    points_total: int
+    points_done: int
+    points_measured: int
+    verified: list[dict[str, Any]] = field(default_factory=list)
+    bundle: str | None = None
+    budget_exhausted: bool = False
+    seconds: float = 0.0
+    workers: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def gpu_backend_factory(device_index: int = 0) -> Backend:
+    """The GPU backend (imports torch, triton and flag_gems, lazily)."""
+    from mxdb.kernels.backend import GpuBackend
+
+    backend: Backend = GpuBackend(device_index=device_index)
+    return backend
+
+
+def job_name(workload: Workload, fingerprint: Fingerprint) -> str:
+    return f"{workload.name}-{workload.content_hash[:10]}-{fingerprint.hash[:10]}"
+
+
+def _job_tag(job: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(job.encode()).hexdigest()[:8]
+
+
+def _point_tag(key: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(key.encode()).hexdigest()[:8]
+
+
+def build_points(workload: Workload) -> list[tuple[Point, Trace, Trace]]:
+    """Every point with its replayed and synthetic traces."""
+    out = []
+    for p in workload.points():
+        replay, synthetic = point_traces(workload, p.shape, p.routing_index)
+        out.append((p, replay, synthetic))
+    return out
+
+
+def tune(
+    workload: Workload,
+    *,
+    store_url: str | None = None,
+    out_dir: str | os.PathLike[str] = "evidence",
+    budget_minutes: float | None = None,
+    devices: Sequence[int] | None = None,
+    backend_factory: BackendFactory | None = None,
+    progress: bool = True,
+    lease_s: float = LEASE_S,
+    bundle: bool = True,
+) -> TuneReport:
+    """Tune every point of ``workload``; see the module docstring."""
+    t0 = time.monotonic()
+    factory = backend_factory or gpu_backend_factory
+    budget = budget_minutes if budget_minutes is not None else workload.search.budget_minutes
+    if budget is not None and budget <= 0:
+        raise UsageError(f"--budget must be a positive number of minutes, got {budget}")
+    deadline = time.time() + budget * 60 if budget is not None else None
+    if devices is not None and len(set(devices)) != len(devices):
+        raise UsageError(f"--devices lists a device twice: {list(devices)}")
+
+    # the coordinator's backend: fingerprint only when workers are separate processes
+    local_backend = factory()
+    fp = local_backend.fingerprint()
+    job = job_name(workload, fp)
+    points = build_points(workload)
+    with Store.open(store_url) as store:
+        url = store_url or _raw_url(store)
+        store.put_fingerprint(fp)
+        store.add_points(
+            job,
+            [
+                (p.key, {**p.payload(), "replay": r.to_payload(), "synthetic": s.to_payload()})
+                for p, r, s in points
+            ],
+        )
+    total = len(points)
+    measured = 0
+    if devices:
+        del local_backend
+        measured = _run_processes(
+            job, url, workload.search, fp.hash, factory, devices, deadline, lease_s, progress, total
+        )
+        workers = len(devices)
+    else:
+        with Store.open(url) as store:
+            bar = _Progress(total, progress, store, job)
+            measured = work(
+                job,
+                store,
+                local_backend,
+                workload.search,
+                fp.hash,
+                deadline,
+                lease_s,
+                on_done=bar.advance,
+            )
+            bar.close()
+        workers = 1
+
+    with Store.open(url) as store:
+        states = store.points(job)
+        done = sum(1 for s in states if s.state == "done")
+        entries = _job_entries(store, job, fp.hash)
+        path = None
+        if bundle and done:
+            path = write_bundle(store, job, workload, fp, points, entries, Path(out_dir))
+    return TuneReport(
+        job=job,
+        workload=workload.name,
+        fingerprint_hash=fp.hash,
+        points_total=total,
+        points_done=done,
+        points_measured=measured,
+        verified=[
+            {
+                "family": e.family,
+                "dtype": e.dtype,
+                "tokens": e.tokens,
+                "routing_class": e.routing_class,
+                "config": e.config,
+                "speedup": e.speedup,
+                "noise_band": e.noise_band,
+            }
+            for e in entries
+        ],
+        bundle=str(path) if path else None,
+        budget_exhausted=done < total and deadline is not None and time.time() >= deadline,
+        seconds=time.monotonic() - t0,
+        workers=workers,
+    )
+
+
+def _raw_url(store: Store) -> str:
+    # the store masks passwords in .url; the default URL has none
+    from mxdb.store import default_url
+
+    return default_url()
+
+
+# -- workers ----------------------------------------------------------------------------------
+
+
+def work(
+    job: str,
+    store: Store,
+    backend: Backend,
+    options: SearchOptions,
+    fingerprint_hash: str,
+    deadline: float | None,
+    lease_s: float = LEASE_S,
+    *,
+    worker: str | None = None,
+    on_done: Callable[[], None] | None = None,
+) -> int:
+    """Claim and measure points of ``job`` until none is left or the deadline passes."""
+    own = backend.fingerprint().hash
+    if own != fingerprint_hash:
+        raise MxdbError(
+            f"this worker's environment fingerprint is {own}, the job's is {fingerprint_hash}; "
+            "run workers of one job in one environment"
+        )
+    worker = worker or f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+    space_cache: dict[tuple[int, ...], SearchSpace] = {}
+    n = 0
+    while deadline is None or time.time() < deadline:
+        claim = store.claim_point(job, worker, lease_s)
+        if claim is None:
+            break
+        stop = threading.Event()
+        beat = threading.Thread(target=_heartbeat, args=(store, claim, lease_s, stop), daemon=True)
+        beat.start()
+        try:
+            ms, entries = measure_point(
+                job, claim, backend, options, fingerprint_hash, deadline, store, space_cache
+            )
+        finally:
+            stop.set()
+            beat.join()
+        if store.complete_point(claim, entries=entries, measurements=ms):
+            n += 1
+            if on_done is not None:
+                on_done()
+    return n
+
+
+def _heartbeat(store: Store, claim: Claim, lease_s: float, stop: threading.Event) -> None:
+    while not stop.wait(lease_s / 3):
+        try:
+            if not store.renew_claim(claim, lease_s):
+                return
+        except MxdbError:
+            continue  # a transient store error: try again at the next beat
+
+
+def measure_point(
+    job: str,
+    claim: Claim,
+    backend: Backend,
+    options: SearchOptions,
+    fingerprint_hash: str,
+    deadline: float | None,
+    store: Store,
+    space_cache: dict[tuple[int, ...], SearchSpace] | None = None,
+) -> tuple[list[Measurement], list[Entry]]:
+    """Search one claimed point; returns what to write with its completion."""
+    payload = claim.payload
+    point = Point.from_payload(payload)
+    shape = point.shape
+    replay = Trace.from_payload(payload["replay"], shape.experts)
+    synthetic = Trace.from_payload(payload["synthetic"], shape.experts)
+    key = (shape.experts, shape.hidden, shape.intermediate, shape.topk)
+    cache = space_cache if space_cache is not None else {}
+    space = cache.get(key)
+    if space is None or space.shape != shape:
+        space = SearchSpace(shape, backend.profile())
+        cache[key] = space
+    prefix = f"{_job_tag(job)}-{_point_tag(claim.key)}-{uuid.uuid4().hex[:6]}"
+    pin = PointInput(
+        shape=shape,
+        replay=RoutingInput(replay.ids, replay.trace_hash, replay.routing_class),
+        synthetic=RoutingInput(synthetic.ids, synthetic.trace_hash, synthetic.routing_class),
+        seed=int(replay.generator.get("seed") or 0),
+        run_prefix=prefix,
+        fingerprint_hash=fingerprint_hash,
+        peer_seeds=tuple(peer_seeds(store, shape)),
+    )
+    budget_s = None
+    if deadline is not None:
+        left = max(0.0, deadline - time.time())
+        pending = sum(1 for p in store.points(job) if p.state != "done")
+        budget_s = left / max(1, pending)
+    clock = getattr(backend, "clock", None) if budget_s is None else None
+    result: SearchResult = search(
+        backend, pin, options, space=space, budget_s=budget_s, clock=clock or time.monotonic
+    )
+    verdict = judge(result)
+    entry = verified_entry(
+        result,
+        verdict,
+        routing_class=replay.routing_class,
+        fingerprint_hash=fingerprint_hash,
+        device_name=backend.fingerprint().device_name,
+        evidence=result.winner_run_id,
+    )
+    return result.measurements, [entry] if entry is not None else []
+
+
+def _child(
+    job: str,
+    url: str,
+    options: SearchOptions,
+    fingerprint_hash: str,
+    factory: BackendFactory,
+    device: int,
+    deadline: float | None,
+    lease_s: float,
+) -> None:
+    # before anything imports torch: this process sees exactly one GPU
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(device)
+    try:
+        backend = factory()
+        with Store.open(url) as store:
+            work(
+                job,
+                store,
+                backend,
+                options,
+                fingerprint_hash,
+                deadline,
+                lease_s,
+                worker=f"{os.uname().nodename}:gpu{device}:{os.getpid()}",
+            )
+    except MxdbError as exc:
+        print(f"mxdb: worker on device {device}: {exc}", file=sys.stderr)
+        raise SystemExit(exc.exit_code) from None
+
+
+def _run_processes(
+    job: str,
+    url: str,
+    options: SearchOptions,
+    fingerprint_hash: str,
+    factory: BackendFactory,
+    devices: Sequence[int],
+    deadline: float | None,
+    lease_s: float,
+    progress: bool,
+    total: int,
+) -> int:
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(job, url, options, fingerprint_hash, factory, d, deadline, lease_s),
+            name=f"mxdb-tune-gpu{d}",
+        )
+        for d in devices
+    ]
+    with Store.open(url) as store:
+        before = sum(1 for p in store.points(job) if p.state == "done")
+        for p in procs:
+            p.start()
+        bar = _Progress(total, progress, store, job)
+        while any(p.is_alive() for p in procs):
+            bar.refresh()
+            time.sleep(0.3)
+        for p in procs:
+            p.join()
+        bar.refresh()
+        bar.close()
+        after = sum(1 for p in store.points(job) if p.state == "done")
+    failed = [p.name for p in procs if p.exitcode not in (0, None)]
+    if failed and after < total:
+        print(
+            f"mxdb: workers {failed} exited with errors; run tune again to finish", file=sys.stderr
+        )
+    return after - before
+
+
+class _Progress:
+    """A rich progress bar with ETA on stderr (silent when disabled)."""
+
+    def __init__(self, total: int, enabled: bool, store: Store, job: str) -> None:
+        self.store = store
+        self.job = job
+        self.bar: Any = None
+        if not enabled:
+            return
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+            TimeRemainingColumn,
+        )
+
+        self.bar = Progress(
+            TextColumn("tuning"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
+            console=Console(stderr=True),
+            transient=False,
+        )
+        self.bar.start()
+        self.task = self.bar.add_task("points", total=total)
+        self.refresh()
+
+    def refresh(self) -> None:
+        if self.bar is not None:
+            done = sum(1 for p in self.store.points(self.job) if p.state == "done")
+            self.bar.update(self.task, completed=done)
+
+    def advance(self) -> None:
+        self.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+# -- evidence ---------------------------------------------------------------------------------
+
+
+def _job_measurements(store: Store, job: str, shape: MoEShape, key: str) -> list[Measurement]:
+    prefix = f"{_job_tag(job)}-{_point_tag(key)}-"
+    return [
+        m
+        for m in store.measurements(op=shape.op, family=shape.family, tokens=shape.tokens)
+        if m.run_id.startswith(prefix) and m.dtype == shape.dtype
+    ]
+
+
+def _job_entries(store: Store, job: str, fingerprint_hash: str) -> list[Entry]:
+    tag = _job_tag(job) + "-"
+    return [
+        e
+        for e in store.entries(fingerprint_hash=fingerprint_hash, source="tune", status="verified")
+        if e.evidence and e.evidence.startswith(tag)
+    ]
+
+
+_METHOD = {"graph": "cuda_graph_replay", "eager": "eager"}
+
+
+def write_bundle(
+    store: Store,
+    job: str,
+    workload: Workload,
+    fp: Fingerprint,
+    points: Sequence[tuple[Point, Trace, Trace]],
+    entries: Sequence[Entry],
+    out_dir: Path,
+) -> Path:
+    """Assemble the evidence bundle of ``job`` from the store under ``out_dir``."""
+    from mxdb.evidence.writer import BundleWriter
+    from mxdb.interop.export import StoreExport
+
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    root = out_dir / f"{workload.name}-{stamp}-{uuid.uuid4().hex[:4]}"
+    w = BundleWriter(root, milestone=workload.name, fingerprint=fp)
+    for p, replay, synthetic in points:
+        ms = _job_measurements(store, job, p.shape, p.key)
+        if not ms:
+            continue
+        for t in (replay, synthetic):
+            w.add_trace(t.ids, experts=p.shape.experts, generator=t.generator)
+        for m in ms:
+            # the bundle holds the replayed comparison and every failure; the synthetic
+            # rungs' timings stay in the store
+            if m.status == "ok" and m.role == "candidate" and m.max_abs_err is None:
+                continue
+            rid = m.run_id
+            w.record(
+                run_id=rid,
+                shape=p.shape,
+                routing_class=m.routing_class,
+                config=m.config,
+                role=m.role,
+                status=m.status,
+                trace_hash=m.trace_hash,
+                seed=m.seed,
+                samples_us=m.samples_us or None,
+                timing_method=_METHOD.get(m.timing_method or "graph", "cuda_graph_replay"),
+                max_abs_err=m.max_abs_err,
+                rel_err=m.rel_err,
+                error=m.error,
+                pair_id=rid.rsplit("-", 1)[0] if m.role == "control" else None,
+                fidelity=m.fidelity,
+            )
+    used = {e.fingerprint_hash for e in entries if e.fingerprint_hash}
+    w.set_store_export(
+        StoreExport(fingerprints={h: fp for h in used if h == fp.hash}, entries=list(entries))
+    )
+    w.finish(bandwidth_bytes_per_s=None)
+    return root

@@ -1,0 +1,653 @@
+"""The multi-fidelity search of one tuning point (DESIGN section 7), on an injected backend.
+
+Ladder, cheapest first:
+
+1. **proxy**: the resource proxy drops configs that cannot fit the device; nothing is compiled.
+2. **compile**: the survivors are compiled (the backend parallelizes); failures are recorded.
+3. **synthetic**: successive halving of the uniform configs (one config for both GEMMs) on
+   generated routing of the point's kind (a different seed than the replayed trace), ``eta``
+   = 3 by default: each rung keeps the best third and times it with ``eta`` times the samples.
+   Then a joint refinement: hill-climbing on GEMM1 with GEMM2 fixed, then GEMM2 with GEMM1
+   fixed, one grid step per field, with the alignment block the smallest both accept (and its
+   double as a move), every move timed interleaved with the incumbent.
+4. **replay**: the finalists, FlagGems' baseline and a same-config control pair (baseline vs
+   baseline) are timed interleaved on the workload's stored trace, ``replicates`` times.
+5. **layer**: the finalists run the whole layer against the float32 reference; the fastest
+   correct one wins.
+
+The budget (seconds on the backend's clock) is checked between batches; when it runs out the
+current stage stops with what it measured and the search goes on to the replay and layer
+stages, which keep a reserve of the budget.  Every measurement, failures included, is returned.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from mxdb.configs import GemmConfig, KernelConfig
+from mxdb.evidence import stats
+from mxdb.models import Measurement
+from mxdb.shapes import MoEShape
+from mxdb.tune.backend import Backend, Correctness, Timing
+from mxdb.tune.space import SearchSpace, align_for
+from mxdb.tune.workload import SearchOptions
+
+#: Configs per backend.time() call in the synthetic rungs (the budget is checked in between).
+BATCH = 96
+#: Share of the budget kept for the replay and layer stages.
+RESERVE = 0.25
+
+
+@dataclass(frozen=True)
+class RoutingInput:
+    """A routing to time on: top-k ids, their hash and the class they fall in."""
+
+    ids: np.ndarray
+    trace_hash: str
+    routing_class: str
+
+
+@dataclass(frozen=True)
+class PointInput:
+    """Everything the search of one point needs besides the backend."""
+
+    shape: MoEShape
+    replay: RoutingInput
+    synthetic: RoutingInput
+    seed: int
+    run_prefix: str
+    fingerprint_hash: str | None = None
+    peer_seeds: tuple[KernelConfig, ...] = ()
+
+
+@dataclass
+class SearchResult:
+    """The outcome of one point's search: every measurement and the winner (if any)."""
+
+    shape: MoEShape
+    measurements: list[Measurement]
+    baseline: KernelConfig
+    winner: KernelConfig | None
+    winner_samples: list[float]
+    baseline_samples: list[float]
+    control_samples: tuple[list[float], list[float]]
+    correctness: Correctness | None
+    budget_exhausted: bool
+    spent_s: float
+    stages: dict[str, int] = field(default_factory=dict)
+    winner_run_id: str | None = None
+    #: uniform configs by synthetic median (best first), for benchmarks and diagnostics
+    ranking: list[tuple[KernelConfig, float]] = field(default_factory=list)
+
+
+class _Recorder:
+    """Builds Measurements with unique run ids and the point's common fields."""
+
+    def __init__(self, point: PointInput, method: str) -> None:
+        self.point = point
+        self.method = method
+        self.items: list[Measurement] = []
+        self._n = 0
+
+    def next_id(self, tag: str) -> str:
+        self._n += 1
+        return f"{self.point.run_prefix}-{tag}{self._n:05d}"
+
+    def add(
+        self,
+        config: KernelConfig,
+        *,
+        fidelity: str,
+        status: str,
+        role: str = "candidate",
+        samples: Sequence[float] = (),
+        error: str | None = None,
+        routing: RoutingInput | None = None,
+        correctness: Correctness | None = None,
+        run_id: str | None = None,
+    ) -> Measurement:
+        s = self.point.shape
+        samples = [float(x) for x in samples]
+        timed = bool(samples)
+        m = Measurement(
+            run_id=run_id or self.next_id(fidelity[0]),
+            op=s.op,
+            dtype=s.dtype,
+            family=s.family,
+            dims=s.dims(),
+            tokens=s.tokens,
+            routing_class=(routing or self.point.replay).routing_class,
+            trace_hash=routing.trace_hash if routing is not None else None,
+            seed=self.point.seed,
+            config=config.model_dump(),
+            config_hash=config.hash,
+            role=role,  # type: ignore[arg-type,unused-ignore]
+            fidelity=fidelity,
+            status=status,  # type: ignore[arg-type,unused-ignore]
+            error=error,
+            samples_us=samples,
+            median_us=stats.median(samples) if timed else None,
+            p90_us=stats.p90(samples) if timed else None,
+            max_abs_err=correctness.max_abs_err if correctness is not None else None,
+            rel_err=correctness.rel_err if correctness is not None else None,
+            timing_method=self.method if timed else None,
+            fingerprint_hash=self.point.fingerprint_hash,
+        )
+        self.items.append(m)
+        return m
+
+
+class _Budget:
+    def __init__(self, budget_s: float | None, clock: Callable[[], float]) -> None:
+        self.budget_s = budget_s
+        self.clock = clock
+        self.t0 = clock()
+        self.exhausted = False
+
+    def spent(self) -> float:
+        return self.clock() - self.t0
+
+    def left(self, reserve: float = 0.0) -> bool:
+        """Whether there is budget left beyond ``reserve`` (a share of the whole budget)."""
+        if self.budget_s is None:
+            return True
+        ok = self.spent() < self.budget_s * (1.0 - reserve)
+        if not ok:
+            self.exhausted = True
+        return ok
+
+
+def search(
+    backend: Backend,
+    point: PointInput,
+    options: SearchOptions,
+    *,
+    space: SearchSpace,
+    budget_s: float | None = None,
+    clock: Callable[[], float] | None = None,
+    method: str = "graph",
+) -> SearchResult:
+    """Search one point; see the module docstring for the ladder."""
+    clk = clock or getattr(backend, "clock", None) or time.monotonic
+    budget = _Budget(budget_s, clk)
+    rec = _Recorder(point, method)
+    shape = point.shape
+    stages: dict[str, int] = {}
+    baseline = backend.baseline_config(shape)
+
+    # 1. resource proxy over the uniform grid and the seeds
+    seeds = [c for c in (*point.peer_seeds,) if c.hash != baseline.hash]
+    pool = _dedup([*space.uniform(), *seeds])
+    if options.max_candidates is not None and len(pool) > options.max_candidates:
+        rng = np.random.default_rng(point.seed)
+        keep = set(rng.choice(len(pool), size=options.max_candidates, replace=False).tolist())
+        seed_hashes = {c.hash for c in seeds}
+        pool = [c for i, c in enumerate(pool) if i in keep or c.hash in seed_hashes]
+    kept, dropped = space.prune(pool)
+    for p in dropped:
+        rec.add(p.config, fidelity="proxy", status="oor", error=p.reason)
+    stages["proxy_rejected"] = len(dropped)
+
+    # 2. compile
+    compiled = _compile(backend, shape, kept, rec)
+    stages["compiled"] = len(kept)
+    stages["compile_failed"] = len(kept) - len(compiled)
+
+    # 3a. successive halving of uniform configs on synthetic routing
+    samples: dict[str, list[float]] = {}
+    by_hash = {c.hash: c for c in compiled}
+    ranked_hashes, rung0 = _halving(
+        backend, point, options, compiled, rec, budget, samples, method, seed=point.seed
+    )
+    stages["synthetic_timed"] = sum(1 for m in rec.items if m.fidelity == "synthetic")
+    stages["halving_timed"] = sum(1 for m in rec.items if m.fidelity in ("synthetic", "replay"))
+    ranking = [(by_hash[h], stats.median(samples[h])) for h in ranked_hashes]
+    ranking_cfgs = [c for c, _ in ranking]
+
+    # 3b. joint refinement: each GEMM on its own, then hill-climbing
+    refined: list[KernelConfig] = []
+    if options.joint and ranking_cfgs and budget.left(RESERVE):
+        # GEMM1 carries most of the layer's time, so the uniform ranking already screens it:
+        # its pool is the best 1/eta of rung 0; GEMM2's pool is every config that ran
+        top = [by_hash[h].gemm1 for h in rung0[: max(options.finalists, len(rung0) // options.eta)]]
+        pools = {"gemm2": [by_hash[h].gemm1 for h in rung0], "gemm1": top}
+        refined = _per_gemm(
+            backend, space, point, options, ranking_cfgs[0], pools, rec, budget, method
+        )
+        refined = (
+            _refine(
+                backend,
+                space,
+                point,
+                options,
+                [*refined, *ranking_cfgs],
+                rec,
+                budget,
+                samples,
+                method,
+            )
+            + refined
+        )
+    stages["refine_timed"] = (
+        sum(1 for m in rec.items if m.fidelity in ("synthetic", "replay")) - stages["halving_timed"]
+    )
+
+    # 4. finalists on the replayed routing, with the baseline and a control pair
+    finalists = _dedup([*refined, *ranking_cfgs])
+    finalists = [c for c in finalists if c.hash != baseline.hash][: options.finalists]
+    result = SearchResult(
+        shape=shape,
+        measurements=rec.items,
+        baseline=baseline,
+        winner=None,
+        winner_samples=[],
+        baseline_samples=[],
+        control_samples=([], []),
+        correctness=None,
+        budget_exhausted=False,
+        spent_s=0.0,
+        stages=stages,
+        ranking=ranking,
+    )
+    _replay_and_check(backend, point, options, baseline, finalists, rec, budget, result, method)
+    result.budget_exhausted = budget.exhausted
+    result.spent_s = budget.spent()
+    return result
+
+
+def _dedup(configs: Sequence[KernelConfig]) -> list[KernelConfig]:
+    seen: set[str] = set()
+    out = []
+    for c in configs:
+        h = c.hash
+        if h not in seen:
+            seen.add(h)
+            out.append(c)
+    return out
+
+
+def _compile(
+    backend: Backend, shape: MoEShape, configs: Sequence[KernelConfig], rec: _Recorder
+) -> list[KernelConfig]:
+    if not configs:
+        return []
+    results = backend.compile(shape, list(configs))
+    ok = []
+    for cfg, res in zip(configs, results, strict=True):
+        if res.status == "ok":
+            ok.append(cfg)
+        else:
+            rec.add(cfg, fidelity="compile", status=res.status, error=res.error)
+    return ok
+
+
+def _time_batches(
+    backend: Backend,
+    shape: MoEShape,
+    routing: RoutingInput,
+    configs: Sequence[KernelConfig],
+    reps: int,
+    seed: int,
+    rec: _Recorder,
+    budget: _Budget,
+    samples: dict[str, list[float]],
+    method: str,
+    *,
+    reserve: float = RESERVE,
+    fidelity: str = "synthetic",
+) -> list[str]:
+    """Time configs in batches; record every result; return the hashes timed successfully."""
+    ok: list[str] = []
+    for start in range(0, len(configs), BATCH):
+        if start and not budget.left(reserve):
+            break
+        batch = list(configs[start : start + BATCH])
+        timings = backend.time(shape, routing.ids, batch, reps=reps, seed=seed, method=method)
+        for cfg, t in zip(batch, timings, strict=True):
+            _record_timing(rec, cfg, t, routing, fidelity)
+            if t.status == "ok" and t.samples_us:
+                samples.setdefault(cfg.hash, []).extend(t.samples_us)
+                ok.append(cfg.hash)
+    return ok
+
+
+def _record_timing(
+    rec: _Recorder, cfg: KernelConfig, t: Timing, routing: RoutingInput, fidelity: str
+) -> None:
+    if t.status == "ok" and t.samples_us:
+        rec.add(cfg, fidelity=fidelity, status="ok", samples=t.samples_us, routing=routing)
+    else:
+        status = t.status if t.status != "ok" else "timeout"
+        rec.add(
+            cfg, fidelity=fidelity, status=status, error=t.error or "no samples", routing=routing
+        )
+
+
+def _rank(hashes: Sequence[str], samples: dict[str, list[float]]) -> list[str]:
+    return sorted(hashes, key=lambda h: (stats.median(samples[h]), h))
+
+
+def _halving(
+    backend: Backend,
+    point: PointInput,
+    options: SearchOptions,
+    configs: Sequence[KernelConfig],
+    rec: _Recorder,
+    budget: _Budget,
+    samples: dict[str, list[float]],
+    method: str,
+    *,
+    seed: int,
+) -> tuple[list[str], list[str]]:
+    """Successive halving; returns (final ranking of the last rung's field, rung 0's ranking)."""
+    by_hash = {c.hash: c for c in configs}
+    field_ = list(configs)
+    reps = options.synthetic_reps
+    ranked: list[str] = []
+    rung0: list[str] = []
+    for rung in range(options.halving_rounds + 1):
+        if not field_ or not budget.left(RESERVE):
+            break
+        # rung 0 cuts the field on synthetic routing; the survivors are timed on the replayed
+        # trace, whose exact per-expert counts decide padding and so the best tiles
+        routing, fid = (point.synthetic, "synthetic") if rung == 0 else (point.replay, "replay")
+        if rung == 1:
+            for c in field_:
+                samples.pop(c.hash, None)  # rank on replayed samples only from here on
+        local: dict[str, list[float]] = {}
+        _time_batches(
+            backend,
+            point.shape,
+            routing,
+            field_,
+            reps,
+            seed + rung,
+            rec,
+            budget,
+            local,
+            method,
+            fidelity=fid,
+        )
+        for h, s in local.items():
+            samples.setdefault(h, []).extend(s)
+        # rank on every sample so far of the configs still in the field
+        ranked = _rank([c.hash for c in field_ if c.hash in local], samples)
+        if rung == 0:
+            rung0 = ranked
+        if rung == options.halving_rounds or len(ranked) <= options.finalists:
+            break
+        n_keep = max(options.finalists, math.ceil(len(ranked) / options.eta))
+        field_ = [by_hash[h] for h in ranked[:n_keep]]
+        reps = min(reps * 2, 64)
+    return ranked, rung0
+
+
+def _per_gemm(
+    backend: Backend,
+    space: SearchSpace,
+    point: PointInput,
+    options: SearchOptions,
+    start: KernelConfig,
+    pools: dict[str, list[GemmConfig]],
+    rec: _Recorder,
+    budget: _Budget,
+    method: str,
+) -> list[KernelConfig]:
+    """Screen ``pools["gemm2"]`` as GEMM2 (GEMM1 fixed), then ``pools["gemm1"]`` as GEMM1."""
+    g1, g2 = start.gemm1, start.gemm2
+    found: list[KernelConfig] = []
+    for which in ("gemm2", "gemm1"):
+        if not budget.left(RESERVE):
+            break
+        pool = pools[which]
+        cands = _dedup([_pair(g, g2) if which == "gemm1" else _pair(g1, g) for g in pool])
+        kept, dropped = space.prune(cands)
+        for p in dropped:
+            rec.add(p.config, fidelity="proxy", status="oor", error=p.reason)
+        compiled = _compile(backend, point.shape, kept, rec)
+        if not compiled:
+            continue
+        local: dict[str, list[float]] = {}
+        ranked, _ = _halving(
+            backend,
+            point,
+            options,
+            compiled,
+            rec,
+            budget,
+            local,
+            method,
+            seed=point.seed + (17 if which == "gemm2" else 29),
+        )
+        if not ranked:
+            continue
+        best = next(c for c in compiled if c.hash == ranked[0])
+        g1, g2 = best.gemm1, best.gemm2
+        found.append(best)
+    return found[::-1]
+
+
+def _pair(g1: GemmConfig, g2: GemmConfig) -> KernelConfig:
+    return KernelConfig(gemm1=g1, gemm2=g2, align_block=align_for(g1, g2))
+
+
+def _refine(
+    backend: Backend,
+    space: SearchSpace,
+    point: PointInput,
+    options: SearchOptions,
+    ranking: Sequence[KernelConfig],
+    rec: _Recorder,
+    budget: _Budget,
+    samples: dict[str, list[float]],
+    method: str,
+) -> list[KernelConfig]:
+    """Hill-climb GEMM1, then GEMM2, from the best uniform config; return the incumbents."""
+    shape = point.shape
+    syn = point.replay
+    top = ranking[0]
+    g1, g2, align = top.gemm1, top.gemm2, top.align_block
+    incumbent = top
+    history = [incumbent]
+    tried: set[str] = set()
+    # the GEMM configs of the next few uniform survivors are moves too: a good tile for the
+    # whole layer is often a good tile for one GEMM
+    extra: list[GemmConfig] = [c.gemm1 for c in ranking[1 : 1 + options.eta]]
+    step_seed = point.seed + 101
+    for _ in range(options.refine_steps):
+        moved = False
+        for which in ("gemm1", "gemm2"):
+            if not budget.left(RESERVE):
+                return _dedup(history[::-1])
+            cur = g1 if which == "gemm1" else g2
+            moves = [*space.neighbours(cur), *extra]
+            cands = []
+            for g in moves:
+                a1, a2 = (g, g2) if which == "gemm1" else (g1, g)
+                base_align = align_for(a1, a2)
+                for al in (base_align, base_align * 2):
+                    if al > 256:
+                        continue
+                    c = KernelConfig(gemm1=a1, gemm2=a2, align_block=al)
+                    if c.hash not in tried and c.hash != incumbent.hash:
+                        tried.add(c.hash)
+                        cands.append(c)
+            kept, dropped = space.prune(cands)
+            for p in dropped:
+                rec.add(p.config, fidelity="proxy", status="oor", error=p.reason)
+            compiled = _compile(backend, shape, kept, rec)
+            if not compiled:
+                continue
+            step_seed += 1
+            local: dict[str, list[float]] = {}
+            ok = _time_batches(
+                backend,
+                shape,
+                syn,
+                [incumbent, *compiled],
+                options.refine_reps,
+                step_seed,
+                rec,
+                budget,
+                local,
+                method,
+                fidelity="replay",
+            )
+            for h, s in local.items():
+                samples.setdefault(h, []).extend(s)
+            if incumbent.hash not in local:
+                continue
+            best_h = _rank(ok, local)[0]
+            # move only on a clear win within the same interleaved call
+            if best_h != incumbent.hash and stats.median(local[best_h]) < stats.median(
+                local[incumbent.hash]
+            ):
+                incumbent = next(c for c in compiled if c.hash == best_h)
+                g1, g2, align = incumbent.gemm1, incumbent.gemm2, incumbent.align_block
+                history.append(incumbent)
+                moved = True
+        if not moved:
+            break
+    del align
+    return _dedup(history[::-1])
+
+
+def _replay_and_check(
+    backend: Backend,
+    point: PointInput,
+    options: SearchOptions,
+    baseline: KernelConfig,
+    finalists: Sequence[KernelConfig],
+    rec: _Recorder,
+    budget: _Budget,
+    result: SearchResult,
+    method: str,
+) -> None:
+    shape = point.shape
+    routing = point.replay
+    lineup = [baseline, *finalists, baseline, baseline]  # last two: the control pair
+    acc: list[list[float]] = [[] for _ in lineup]
+    failure: dict[int, Timing] = {}
+    for r in range(options.replicates):
+        # at least two replicates even on an exhausted budget: a claim needs repeated samples
+        if r >= 2 and not budget.left(0.0):
+            break
+        timings = backend.time(
+            shape, routing.ids, lineup, reps=options.replay_reps, seed=point.seed, method=method
+        )
+        for j, t in enumerate(timings):
+            if t.status == "ok" and t.samples_us:
+                acc[j].extend(t.samples_us)
+            elif j not in failure:
+                failure[j] = t
+    result.stages["replicates"] = max(
+        1, min(options.replicates, len(acc[0]) // options.replay_reps)
+    )
+
+    # 5. layer check of the finalists (fastest first), then of the baseline
+    finals = [(j + 1, c) for j, c in enumerate(finalists) if acc[j + 1] and j + 1 not in failure]
+    finals.sort(key=lambda jc: stats.median(acc[jc[0]]))
+    checks: dict[int, Correctness] = {}
+    for j, cfg in finals:
+        checks[j] = backend.check(shape, routing.ids, cfg, seed=options.check_seed)
+    base_check = backend.check(shape, routing.ids, baseline, seed=options.check_seed)
+
+    prefix = point.run_prefix
+    base_id = f"{prefix}-base"
+    _record_final(
+        rec, baseline, "baseline", acc[0], failure.get(0), routing, base_check, base_id, "replay"
+    )
+    n = len(lineup)
+    for j, tag in ((n - 2, "a"), (n - 1, "b")):
+        _record_final(
+            rec,
+            baseline,
+            "control",
+            acc[j],
+            failure.get(j),
+            routing,
+            None,
+            f"{prefix}-ctl-{tag}",
+            "replay",
+        )
+    winner: tuple[int, KernelConfig] | None = None
+    for j, cfg in enumerate(finalists, start=1):
+        corr = checks.get(j)
+        rid = f"{prefix}-fin{j:02d}"
+        status_override = "wrong" if corr is not None and not corr.passed else None
+        _record_final(
+            rec,
+            cfg,
+            "candidate",
+            acc[j],
+            failure.get(j),
+            routing,
+            corr,
+            rid,
+            "layer",
+            status_override=status_override,
+        )
+        better = winner is None or (acc[j] and stats.median(acc[j]) < stats.median(acc[winner[0]]))
+        if corr is not None and corr.passed and acc[j] and better:
+            winner = (j, cfg)
+    result.baseline_samples = acc[0]
+    result.control_samples = (acc[n - 2], acc[n - 1])
+    if winner is not None:
+        j, cfg = winner
+        result.winner = cfg
+        result.winner_samples = acc[j]
+        result.correctness = checks[j]
+        result.winner_run_id = f"{prefix}-fin{j:02d}"
+
+
+def _record_final(
+    rec: _Recorder,
+    cfg: KernelConfig,
+    role: str,
+    samples: list[float],
+    failure: Timing | None,
+    routing: RoutingInput,
+    corr: Correctness | None,
+    run_id: str,
+    fidelity: str,
+    *,
+    status_override: str | None = None,
+) -> None:
+    if failure is not None or not samples:
+        fstatus: str = failure.status if failure is not None else "timeout"
+        error = failure.error if failure is not None else "no samples"
+        rec.add(
+            cfg,
+            fidelity=fidelity,
+            status=fstatus,
+            role=role,
+            error=error,
+            routing=routing,
+            correctness=corr,
+            run_id=run_id,
+        )
+        return
+    status: str = status_override or "ok"
+    error = None
+    if status == "wrong" and corr is not None:
+        error = (
+            f"layer check failed: max_abs_err {corr.max_abs_err:.3g} "
+            f"(limit {corr.threshold_abs:g}), rel_err {corr.rel_err:.3g} "
+            f"(limit {corr.threshold_rel:g})"
+        )
+    rec.add(
+        cfg,
+        fidelity=fidelity,
+        status=status,
+        role=role,
+        samples=samples,
+        error=error,
+        routing=routing,
+        correctness=corr,
+        run_id=run_id,
+    )

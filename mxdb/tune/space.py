@@ -1,0 +1,187 @@
+"""The joint search space of a fused-MoE layer: GEMM1 config x GEMM2 config x alignment block.
+
+Each GEMM draws from at least vLLM's 1,920-point grid (``mxdb.resources.vllm_grid``); the
+alignment block is the smallest one both GEMMs accept (their larger BLOCK_SIZE_M, all sizes
+being powers of two).  Seeds join the field: peer tables imported into the store (status
+"imported", nearest token count) and FlagGems' own choice.  The resource proxy drops configs
+that cannot fit the device before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from mxdb.configs import GemmConfig, KernelConfig
+from mxdb.errors import ConfigError
+from mxdb.shapes import MoEShape
+
+if TYPE_CHECKING:
+    from mxdb.profiles import DeviceProfile
+    from mxdb.store import Store
+
+#: The values of each GemmConfig field in vLLM's tuning grid (benchmark_moe.py).
+GRID_VALUES: dict[str, tuple[int, ...]] = {
+    "block_m": (16, 32, 64, 128, 256),
+    "block_n": (32, 64, 128, 256),
+    "block_k": (64, 128, 256),
+    "group_m": (1, 16, 32, 64),
+    "num_warps": (4, 8),
+    "num_stages": (2, 3, 4, 5),
+}
+
+
+def gemm_grid() -> list[GemmConfig]:
+    """vLLM's grid of GEMM configs (1,920 points), in a stable order."""
+    from mxdb.resources import vllm_grid
+
+    return list(vllm_grid())
+
+
+def flaggems_default(shape: MoEShape) -> KernelConfig:
+    """FlagGems' own config for ``shape`` (its heuristics when it has no table): the baseline."""
+    from mxdb.resources import flaggems_default_config
+
+    return KernelConfig.uniform(flaggems_default_config(shape))
+
+
+def fake_profile(device_name: str = "FAKE_H200") -> DeviceProfile:
+    """The device profile of the fake backend: an H200's resources."""
+    from mxdb.profiles import get_profile
+
+    return get_profile("h200")
+
+
+def proxy_check(config: KernelConfig, shape: MoEShape, profile: DeviceProfile) -> str | None:
+    """None when ``config`` may fit the device, else the resource proxy's reasons."""
+    from mxdb.resources import check
+
+    result = check(config, shape, profile)
+    if result.fits:
+        return None
+    reasons = [f"gemm{g.gemm_index}: {r}" for g in (result.gemm1, result.gemm2) for r in g.reasons]
+    return "; ".join(reasons) or "rejected by the resource proxy"
+
+
+def align_for(g1: GemmConfig, g2: GemmConfig) -> int:
+    """The smallest alignment block both GEMMs accept (sizes are powers of two)."""
+    return max(g1.block_m, g2.block_m)
+
+
+def joint(g1: GemmConfig, g2: GemmConfig) -> KernelConfig:
+    """A layer config from two GEMM configs with the smallest valid alignment block."""
+    return KernelConfig(gemm1=g1, gemm2=g2, align_block=align_for(g1, g2))
+
+
+@dataclass(frozen=True)
+class Pruned:
+    """A config the resource proxy rejected, and why."""
+
+    config: KernelConfig
+    reason: str
+
+
+class SearchSpace:
+    """The candidates for one shape on one device profile."""
+
+    def __init__(
+        self,
+        shape: MoEShape,
+        profile: DeviceProfile,
+        grid: Sequence[GemmConfig] | None = None,
+    ) -> None:
+        self.shape = shape
+        self.profile = profile
+        self.grid: list[GemmConfig] = list(grid) if grid is not None else gemm_grid()
+        self._index = {g: i for i, g in enumerate(self.grid)}
+        self._verdicts: dict[str, str | None] = {}
+
+    def uniform(self) -> list[KernelConfig]:
+        """Every grid config as the layer's single config (both GEMMs, aligned to block_m)."""
+        return [KernelConfig.uniform(g) for g in self.grid]
+
+    def verdict(self, config: KernelConfig) -> str | None:
+        """The proxy's reason to reject ``config`` (memoized), None when it may fit."""
+        h = config.hash
+        if h not in self._verdicts:
+            self._verdicts[h] = proxy_check(config, self.shape, self.profile)
+        return self._verdicts[h]
+
+    def prune(self, configs: Iterable[KernelConfig]) -> tuple[list[KernelConfig], list[Pruned]]:
+        """Split configs into those that may fit and those the proxy rejects (with reasons)."""
+        kept: list[KernelConfig] = []
+        dropped: list[Pruned] = []
+        for c in configs:
+            reason = self.verdict(c)
+            if reason is None:
+                kept.append(c)
+            else:
+                dropped.append(Pruned(c, reason))
+        return kept, dropped
+
+    def neighbours(self, g: GemmConfig) -> list[GemmConfig]:
+        """Configs one grid step away from ``g`` in one field (the hill-climbing moves)."""
+        out: list[GemmConfig] = []
+        base = g.model_dump()
+        for name, values in GRID_VALUES.items():
+            cur = base[name]
+            if cur in values:
+                i = values.index(cur)
+                steps = [values[j] for j in (i - 1, i + 1) if 0 <= j < len(values)]
+            else:  # an off-grid seed: move to the nearest grid values
+                steps = sorted(values, key=lambda v: abs(v - cur))[:2]
+            for v in steps:
+                try:
+                    out.append(GemmConfig(**{**base, name: v}))
+                except ValueError:
+                    continue
+        return out
+
+    def seeds(self, store: Store | None, baseline: KernelConfig) -> list[KernelConfig]:
+        """Imported peer configs (nearest token count) and the baseline, deduplicated."""
+        out = [baseline]
+        if store is not None:
+            out.extend(peer_seeds(store, self.shape))
+        seen: set[str] = set()
+        uniq = []
+        for c in out:
+            if c.hash not in seen:
+                seen.add(c.hash)
+                uniq.append(c)
+        return uniq
+
+
+def peer_seeds(store: Store, shape: MoEShape) -> list[KernelConfig]:
+    """Configs of imported peer tables for this family and dtype at the nearest token count."""
+    entries = store.entries(op=shape.op, dtype=shape.dtype, family=shape.family, status="imported")
+    if not entries:
+        return []
+    best = min(abs(e.tokens - shape.tokens) for e in entries)
+    out = []
+    for e in sorted(entries, key=lambda e: (e.tokens, e.config_hash)):
+        if abs(e.tokens - shape.tokens) != best:
+            continue
+        try:
+            out.append(KernelConfig.parse(e.config))
+        except ConfigError:
+            continue  # an imported row this mxdb cannot read is no seed
+    return out
+
+
+def private_grid() -> list[GemmConfig]:
+    """vLLM's grid built from :data:`GRID_VALUES` (the same 1,920 points)."""
+    keys = list(GRID_VALUES)
+    return [
+        GemmConfig(**dict(zip(keys, vals, strict=True)))
+        for vals in itertools.product(*(GRID_VALUES[k] for k in keys))
+    ]
+
+
+def _as_gemm(g: Any) -> GemmConfig:
+    if isinstance(g, KernelConfig):
+        return g.gemm1
+    if isinstance(g, dict):
+        return GemmConfig.from_triton(g) if "BLOCK_SIZE_M" in g else GemmConfig(**g)
+    raise ConfigError(f"cannot read grid point {g!r} as a GEMM config")

@@ -1,0 +1,110 @@
+"""Verification: when a tuned config may be stored as ``verified``.
+
+A config is verified only when it is correct (its layer output within the dtype's thresholds
+of the float32 reference, :mod:`mxdb.evidence.thresholds`) AND its speedup over the baseline
+(FlagGems' own choice for the same call) exceeds the noise band measured by a same-config
+control pair in the same interleaved timings.  Speedup and noise band are the evidence
+definitions (:mod:`mxdb.evidence.stats`), so the auditor recomputes exactly these figures:
+
+- ``speedup = median(baseline samples) / median(winner samples)``;
+- ``noise band = max(a, b) / min(a, b) - 1`` for the control pair's medians ``a``, ``b``;
+- verified when ``speedup - 1 > noise band`` (no control pair, no verification).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mxdb.evidence import stats
+from mxdb.evidence.thresholds import passes
+from mxdb.models import Entry
+from mxdb.tune.search import SearchResult
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Whether a search's winner is verified, with the figures that decided it."""
+
+    verified: bool
+    reason: str
+    speedup: float | None
+    noise_band: float | None
+    winner_median_us: float | None
+    baseline_median_us: float | None
+
+
+def noise_band(a: list[float], b: list[float]) -> float | None:
+    """The control pair's noise band, or None when either side has no samples."""
+    if not a or not b:
+        return None
+    return stats.pair_noise(stats.median(a), stats.median(b))
+
+
+def judge(result: SearchResult) -> Verdict:
+    """Apply the verification rule to a search result."""
+    band = noise_band(*result.control_samples)
+    base = stats.median(result.baseline_samples) if result.baseline_samples else None
+    win = stats.median(result.winner_samples) if result.winner_samples else None
+    corr = result.correctness
+    if result.winner is None or win is None or corr is None:
+        return Verdict(False, "no correct candidate other than the baseline", None, band, win, base)
+    if not passes(result.shape.dtype, corr.max_abs_err, corr.rel_err):
+        return Verdict(False, "the winner fails the correctness check", None, band, win, base)
+    if base is None:
+        return Verdict(False, "the baseline has no timing", None, band, win, base)
+    speedup = stats.speedup(base, win)
+    if band is None:
+        return Verdict(
+            False, "no control pair: the noise band is unknown", speedup, band, win, base
+        )
+    if speedup - 1.0 > band:
+        return Verdict(
+            True,
+            f"speedup {speedup:.4f}x exceeds the noise band {band:.4f}",
+            speedup,
+            band,
+            win,
+            base,
+        )
+    return Verdict(
+        False,
+        f"speedup {speedup:.4f}x is within the noise band {band:.4f}",
+        speedup,
+        band,
+        win,
+        base,
+    )
+
+
+def verified_entry(
+    result: SearchResult,
+    verdict: Verdict,
+    *,
+    routing_class: str,
+    fingerprint_hash: str | None,
+    device_name: str | None,
+    evidence: str | None,
+) -> Entry | None:
+    """The store entry (status "verified") for a verified winner, else None."""
+    if not verdict.verified or result.winner is None:
+        return None
+    s = result.shape
+    return Entry(
+        op=s.op,
+        dtype=s.dtype,
+        family=s.family,
+        dims=s.dims(),
+        tokens=s.tokens,
+        routing_class=routing_class,
+        config=result.winner.model_dump(),
+        config_hash=result.winner.hash,
+        fingerprint_hash=fingerprint_hash,
+        device_name=device_name,
+        status="verified",
+        source="tune",
+        speedup=verdict.speedup,
+        noise_band=verdict.noise_band,
+        median_us=verdict.winner_median_us,
+        baseline_us=verdict.baseline_median_us,
+        evidence=evidence,
+    )

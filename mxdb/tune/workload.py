@@ -1,0 +1,354 @@
+"""Tuning workloads: which shapes, token counts, dtypes and routings ``mxdb tune`` measures.
+
+A workload is a YAML or JSON file::
+
+    name: h200-milestone
+    models: [mixtral-8x7b, {name: custom, experts: 8, hidden: 4096, intermediate: 14336, topk: 2}]
+    tokens: [1, 4, 16, 64, 256, 1024]
+    dtypes: [bf16, fp16]
+    routings:
+      - {kind: uniform}
+      - {kind: zipf, exponent: 1.2}
+      - {kind: hot, fraction: 0.5, expert: 0}
+      - {kind: replay, path: traces/prod.json}   # relative to the workload file
+    seed: 0
+    search: {replicates: 5, halving_rounds: 3, max_candidates: null}
+
+Its points are the cross product (model shape, M, dtype, routing source).  Each point's routing
+is generated once from the seed (or read from the replay file), hashed, stored with the evidence
+and replayed identically to every candidate.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from mxdb.errors import ShapeError, WorkloadError
+from mxdb.shapes import PRESETS, MoEShape, canonical_dtype
+
+_STRICT = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelSpec(BaseModel):
+    """A model's MoE dimensions: a preset name, or explicit sizes (``name`` then just labels it)."""
+
+    model_config = _STRICT
+
+    name: str | None = None
+    experts: int = Field(ge=1)
+    hidden: int = Field(ge=1)
+    intermediate: int = Field(ge=1)
+    topk: int = Field(ge=1)
+
+    def shape(self, tokens: int, dtype: str) -> MoEShape:
+        return MoEShape(self.experts, self.hidden, self.intermediate, self.topk, tokens, dtype)
+
+    @property
+    def label(self) -> str:
+        return self.name or f"E{self.experts}-H{self.hidden}-I{self.intermediate}-k{self.topk}"
+
+
+class UniformRouting(BaseModel):
+    """Every token picks ``topk`` distinct experts uniformly at random."""
+
+    model_config = _STRICT
+    kind: Literal["uniform"] = "uniform"
+
+    def label(self) -> str:
+        return "uniform"
+
+
+class ZipfRouting(BaseModel):
+    """Expert popularity follows a Zipf law with ``exponent`` (larger: more skewed)."""
+
+    model_config = _STRICT
+    kind: Literal["zipf"] = "zipf"
+    exponent: float = Field(default=1.2, gt=0, le=10)
+
+    def label(self) -> str:
+        return f"zipf{self.exponent:g}"
+
+
+class HotRouting(BaseModel):
+    """A ``fraction`` of the tokens send one of their slots to the hot ``expert``."""
+
+    model_config = _STRICT
+    kind: Literal["hot"] = "hot"
+    fraction: float = Field(default=0.5, gt=0, le=1)
+    expert: int = Field(default=0, ge=0)
+
+    def label(self) -> str:
+        return f"hot{self.fraction:g}e{self.expert}"
+
+
+class ReplayRouting(BaseModel):
+    """A stored top-k trace file (``mxdb trace`` output or an evidence ``traces/`` file)."""
+
+    model_config = _STRICT
+    kind: Literal["replay"] = "replay"
+    path: str = Field(min_length=1)
+
+    def label(self) -> str:
+        return "replay-" + Path(self.path).stem
+
+    @field_validator("path")
+    @classmethod
+    def _no_empty(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("path must name a trace file")
+        return v
+
+
+RoutingSource = Annotated[
+    UniformRouting | ZipfRouting | HotRouting | ReplayRouting, Field(discriminator="kind")
+]
+ROUTING_KINDS = ("uniform", "zipf", "hot", "replay")
+
+
+class SearchOptions(BaseModel):
+    """Knobs of the multi-fidelity search (DESIGN section 7); the defaults suit an H200."""
+
+    model_config = _STRICT
+
+    budget_minutes: float | None = Field(
+        default=None, gt=0, description="wall-clock budget of the whole tune (CLI --budget wins)"
+    )
+    max_candidates: int | None = Field(
+        default=None, ge=2, description="cap on uniform configs entering the first rung"
+    )
+    halving_rounds: int = Field(default=3, ge=1, le=8)
+    eta: int = Field(default=3, ge=2, le=8, description="keep 1/eta of each rung")
+    synthetic_reps: int = Field(default=2, ge=1, le=100, description="samples per config, rung 0")
+    refine_reps: int = Field(default=7, ge=1, le=200)
+    refine_steps: int = Field(default=2, ge=0, le=20, description="hill-climbing passes per GEMM")
+    finalists: int = Field(default=6, ge=1, le=16)
+    replicates: int = Field(default=5, ge=1, le=50, description="replicates on replayed routing")
+    replay_reps: int = Field(default=10, ge=3, le=1000, description="samples per replicate")
+    joint: bool = Field(default=True, description="refine GEMM1, GEMM2 and alignment separately")
+    check_seed: int = 1234
+
+
+class Workload(BaseModel):
+    """A tuning workload (see the module docstring)."""
+
+    model_config = _STRICT
+
+    name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+    models: list[ModelSpec] = Field(min_length=1)
+    tokens: list[int] = Field(min_length=1)
+    dtypes: list[str] = Field(default_factory=lambda: ["bf16"], min_length=1)
+    routings: list[RoutingSource] = Field(
+        default_factory=lambda: [UniformRouting()],  # type: ignore[arg-type]
+        min_length=1,
+    )
+    seed: int = Field(default=0, ge=0, lt=2**32)
+    search: SearchOptions = Field(default_factory=SearchOptions)
+    base_dir: str | None = Field(
+        default=None, description="folder replay paths are relative to (set by load_workload)"
+    )
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _models(cls, value: Any) -> Any:
+        if not isinstance(value, list):
+            return value
+        out: list[Any] = []
+        for item in value:
+            if isinstance(item, str):
+                key = item.strip().lower()
+                if key not in PRESETS:
+                    raise ValueError(
+                        f"unknown model preset {item!r}; accepted presets: "
+                        f"{', '.join(sorted(PRESETS))}, or an object with experts, hidden, "
+                        "intermediate, topk"
+                    )
+                e, h, i, k = PRESETS[key]
+                out.append({"name": key, "experts": e, "hidden": h, "intermediate": i, "topk": k})
+            elif isinstance(item, dict) and "preset" in item:
+                raise ValueError("write a preset as a plain string, e.g. models: [mixtral-8x7b]")
+            else:
+                out.append(item)
+        return out
+
+    @field_validator("tokens")
+    @classmethod
+    def _tokens(cls, value: list[int]) -> list[int]:
+        if any(m < 1 for m in value):
+            raise ValueError("every token count must be a positive integer")
+        if len(set(value)) != len(value):
+            raise ValueError("token counts must not repeat")
+        return value
+
+    @field_validator("dtypes")
+    @classmethod
+    def _dtypes(cls, value: list[str]) -> list[str]:
+        out = []
+        for d in value:
+            try:
+                c = canonical_dtype(d)
+            except ShapeError:
+                raise ValueError(f"unknown dtype {d!r}; accepted: bf16, fp16") from None
+            if c == "fp32":
+                raise ValueError("fp32 is not tuned; accepted: bf16, fp16")
+            out.append(c)
+        if len(set(out)) != len(out):
+            raise ValueError("dtypes must not repeat")
+        return out
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Workload:
+        labels = [r.label() for r in self.routings]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"routings repeat: {labels}")
+        for m in self.models:
+            if m.topk > m.experts:
+                raise ValueError(f"model {m.label}: topk ({m.topk}) exceeds experts ({m.experts})")
+            for r in self.routings:
+                if isinstance(r, HotRouting) and r.expert >= m.experts:
+                    raise ValueError(
+                        f"routing hot: expert {r.expert} does not exist in model {m.label} "
+                        f"(experts 0..{m.experts - 1})"
+                    )
+        return self
+
+    @property
+    def content_hash(self) -> str:
+        """SHA-256 (16 hex digits) of the workload's canonical JSON, ``base_dir`` left out."""
+        data = self.model_dump(mode="json", exclude={"base_dir"})
+        text = json.dumps(data, sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def resolve(self, path: str) -> Path:
+        p = Path(path)
+        if not p.is_absolute() and self.base_dir:
+            p = Path(self.base_dir) / p
+        return p
+
+    def points(self) -> list[Point]:
+        """Every (model shape, M, dtype, routing source) of the workload, in a stable order."""
+        out = []
+        for mi, model in enumerate(self.models):
+            for dtype in self.dtypes:
+                for m in self.tokens:
+                    for ri, routing in enumerate(self.routings):
+                        out.append(Point(mi, model.shape(m, dtype), ri, routing.label()))
+        return out
+
+
+@dataclass(frozen=True)
+class Point:
+    """One unit of tuning work: a shape (with M and dtype) under one routing source."""
+
+    model_index: int
+    shape: MoEShape
+    routing_index: int
+    routing_label: str
+
+    @property
+    def key(self) -> str:
+        s = self.shape
+        return f"{s.family}/{s.dtype}/M{s.tokens}/{self.routing_label}"
+
+    def payload(self) -> dict[str, Any]:
+        return {
+            "shape": self.shape.to_dict(),
+            "model_index": self.model_index,
+            "routing_index": self.routing_index,
+            "routing_label": self.routing_label,
+        }
+
+    @classmethod
+    def from_payload(cls, data: dict[str, Any]) -> Point:
+        return cls(
+            int(data["model_index"]),
+            MoEShape.from_dict(data["shape"]),
+            int(data["routing_index"]),
+            str(data["routing_label"]),
+        )
+
+
+def parse_workload(data: Any, *, source: str = "workload", base_dir: str | None = None) -> Workload:
+    """Validate a workload given as a dict; WorkloadError names the field and what is accepted."""
+    if not isinstance(data, dict):
+        raise WorkloadError(f"{source}: a workload must be a mapping, got {type(data).__name__}")
+    if base_dir is not None and "base_dir" not in data:
+        data = {**data, "base_dir": base_dir}
+    try:
+        return Workload.model_validate(data)
+    except ValidationError as exc:
+        raise WorkloadError(f"{source}: {_explain(exc)}") from None
+
+
+def load_workload(path: str | Path) -> Workload:
+    """Read a workload from a YAML (``.yaml``/``.yml``) or JSON file."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise WorkloadError(
+            f"workload file {str(p)!r} does not exist; pass a YAML or JSON workload "
+            "(see examples/workloads/)"
+        ) from None
+    except OSError as exc:
+        raise WorkloadError(f"cannot read workload file {str(p)!r}: {exc}") from None
+    try:
+        data = json.loads(text) if p.suffix.lower() == ".json" else yaml.safe_load(text)
+    except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        raise WorkloadError(
+            f"{p}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {exc}"
+        ) from None
+    return parse_workload(data, source=str(p), base_dir=str(p.parent.resolve()))
+
+
+def _explain(exc: ValidationError) -> str:
+    msgs = []
+    for err in exc.errors()[:3]:
+        loc = ".".join(str(x) for x in err.get("loc", ()))
+        msg = str(err.get("msg", "invalid"))
+        kind = err.get("type", "")
+        if kind == "union_tag_invalid" or kind == "union_tag_not_found":
+            msg = f"{msg}; accepted kinds: {', '.join(ROUTING_KINDS)}"
+        elif kind == "extra_forbidden":
+            msg = f"unknown field; accepted fields here: {_accepted(loc)}"
+        elif kind == "missing":
+            msg = "required field is missing"
+        msg = msg.removeprefix("Value error, ")
+        msgs.append(f"field {loc or '(top level)'}: {msg}")
+    if len(exc.errors()) > 3:
+        msgs.append(f"... and {len(exc.errors()) - 3} more")
+    return "; ".join(msgs)
+
+
+def _accepted(loc: str) -> str:
+    parts = loc.split(".")
+    if len(parts) == 1:
+        return ", ".join(f for f in Workload.model_fields if f != "base_dir")
+    if parts[0] == "search":
+        return ", ".join(SearchOptions.model_fields)
+    if parts[0] == "models":
+        return ", ".join(ModelSpec.model_fields)
+    if parts[0] == "routings" and len(parts) >= 3:
+        models: dict[str, type[BaseModel]] = {
+            "uniform": UniformRouting,
+            "zipf": ZipfRouting,
+            "hot": HotRouting,
+            "replay": ReplayRouting,
+        }
+        m = models.get(parts[2])
+        if m is not None:
+            return ", ".join(m.model_fields)
+    return "see the workload documentation"

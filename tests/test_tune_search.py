@@ -1,0 +1,158 @@
+"""The multi-fidelity search and the verification rule, on the fake backend."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mxdb.configs import GemmConfig, KernelConfig
+from mxdb.evidence.files import trace_hash
+from mxdb.shapes import preset_shape
+from mxdb.tune.backend import Backend, Correctness
+from mxdb.tune.fake import FakeBackend
+from mxdb.tune.search import PointInput, RoutingInput, SearchResult, search
+from mxdb.tune.space import SearchSpace, joint
+from mxdb.tune.verify import judge, verified_entry
+from mxdb.tune.workload import SearchOptions
+
+
+def _point(name: str = "mixtral-8x7b", m: int = 64, seed: int = 0) -> PointInput:
+    shape = preset_shape(name, m)
+    rng = np.random.default_rng(seed)
+    ids = np.argsort(rng.random((m, shape.experts)), axis=1)[:, : shape.topk]
+    syn = np.argsort(rng.random((m, shape.experts)), axis=1)[:, : shape.topk]
+    return PointInput(
+        shape=shape,
+        replay=RoutingInput(ids, trace_hash(shape.experts, ids.tolist()), "uniform"),
+        synthetic=RoutingInput(syn, trace_hash(shape.experts, syn.tolist()), "uniform"),
+        seed=seed,
+        run_prefix="t",
+    )
+
+
+def _run(fb: FakeBackend, point: PointInput, **opts: object) -> SearchResult:
+    space = SearchSpace(point.shape, fb.profile())
+    return search(fb, point, SearchOptions(**opts), space=space)  # type: ignore[arg-type]
+
+
+def _true_best(fb: FakeBackend, point: PointInput) -> float:
+    """Exhaustive (noiseless) best: every uniform config, then each GEMM on its own."""
+    shape = point.shape
+    counts = np.bincount(point.replay.ids.ravel(), minlength=shape.experts)
+    space = SearchSpace(shape, fb.profile())
+
+    def t(c: KernelConfig) -> float:
+        if fb._static_failure(shape, c)[0] != "ok":
+            return float("inf")
+        return fb.true_us(shape, counts, c)
+
+    grid = space.grid
+    u = min((KernelConfig.uniform(g) for g in grid), key=t)
+    g2 = min(grid, key=lambda g: t(joint(u.gemm1, g)))
+    g1 = min(grid, key=lambda g: t(joint(g, g2)))
+    return min(t(u), t(joint(g1, g2)))
+
+
+def test_fake_backend_satisfies_protocol() -> None:
+    assert isinstance(FakeBackend(), Backend)
+
+
+@pytest.mark.parametrize(("name", "m"), [("mixtral-8x7b", 4), ("qwen3-30b-a3b", 256)])
+def test_search_finds_the_true_best_within_one_percent(name: str, m: int) -> None:
+    fb = FakeBackend(seed=3)
+    point = _point(name, m)
+    res = _run(fb, point)
+    assert res.winner is not None
+    counts = np.bincount(point.replay.ids.ravel(), minlength=point.shape.experts)
+    got = fb.true_us(point.shape, counts, res.winner)
+    assert got <= _true_best(fb, point) * 1.01
+    # and far cheaper than timing the grid three times with 100 samples each
+    assert (
+        fb.counters.layer_calls < 0.1 * 3 * len(SearchSpace(point.shape, fb.profile()).grid) * 105
+    )
+
+
+def test_proxy_rejects_without_compiling_and_records_oor() -> None:
+    fb = FakeBackend()
+    point = _point()
+    res = _run(fb, point, max_candidates=200)
+    proxy = [m for m in res.measurements if m.fidelity == "proxy"]
+    assert proxy and all(m.status == "oor" and m.error for m in proxy)
+    assert not {m.config_hash for m in proxy} & fb.counters.compiled_hashes
+
+
+def test_compile_failures_are_recorded_not_raised() -> None:
+    point = _point()
+    space = SearchSpace(point.shape, FakeBackend().profile())
+    victims = [c.hash for c in space.uniform()[:400:7]]
+    fb = FakeBackend(compile_errors=victims)
+    res = _run(fb, point)
+    # the fake device may also fail a victim with "oor" where the proxy was optimistic
+    failed = {m.config_hash for m in res.measurements if m.fidelity == "compile"}
+    kept = {c.hash for c in space.prune(space.uniform())[0]}
+    assert set(victims) & kept and (set(victims) & kept) <= failed
+    assert all(m.error for m in res.measurements if m.status == "compile_error")
+    assert res.winner is not None and res.winner.hash not in victims
+
+
+def test_wrong_winner_is_rejected_by_the_layer_check() -> None:
+    point = _point("qwen3-30b-a3b", 16)
+    first = _run(FakeBackend(seed=1), point)
+    assert first.winner is not None
+    bad = first.winner.hash
+    second = _run(FakeBackend(seed=1, wrong=[bad]), point)
+    wrong = [m for m in second.measurements if m.config_hash == bad and m.fidelity == "layer"]
+    assert wrong and wrong[0].status == "wrong" and "layer check failed" in (wrong[0].error or "")
+    assert second.winner is None or second.winner.hash != bad
+
+
+def test_budget_stops_rungs_early_but_keeps_the_comparison() -> None:
+    point = _point()
+    full = _run(FakeBackend(), point)
+    fb = FakeBackend()
+    space = SearchSpace(point.shape, fb.profile())
+    res = search(fb, point, SearchOptions(), space=space, budget_s=12.0, clock=fb.clock)
+    assert res.budget_exhausted
+    assert res.stages["synthetic_timed"] < full.stages["synthetic_timed"]
+    roles = {m.role for m in res.measurements if m.fidelity in ("replay", "layer")}
+    assert {"baseline", "control"} <= roles
+    assert len(res.control_samples[0]) >= 2 * SearchOptions().replay_reps
+
+
+def _result(
+    base: list[float], win: list[float], ctl: tuple[list[float], list[float]], passed: bool
+) -> SearchResult:
+    g = GemmConfig(block_m=16, block_n=64, block_k=64)
+    shape = preset_shape("mixtral-8x7b", 4)
+    corr = Correctness(1e-3 if passed else 0.9, 1e-4 if passed else 0.5, 6.25e-2, 5e-2, passed)
+    return SearchResult(
+        shape=shape,
+        measurements=[],
+        baseline=KernelConfig.uniform(GemmConfig(block_m=16, block_n=32, block_k=64)),
+        winner=KernelConfig.uniform(g),
+        winner_samples=win,
+        baseline_samples=base,
+        control_samples=ctl,
+        correctness=corr,
+        budget_exhausted=False,
+        spent_s=0.0,
+    )
+
+
+def test_verification_rule() -> None:
+    ctl = ([100.0, 101.0, 100.5], [101.0, 102.0, 101.5])  # noise band 1.0%
+    # 0.5% faster: inside the noise band
+    v = judge(_result([100.0] * 3, [99.5] * 3, ctl, True))
+    assert not v.verified and v.noise_band == pytest.approx(0.00995, rel=1e-2)
+    # 5% faster but wrong
+    assert not judge(_result([100.0] * 3, [95.0] * 3, ctl, False)).verified
+    # 5% faster and correct
+    ok = judge(_result([100.0] * 3, [95.0] * 3, ctl, True))
+    assert ok.verified and ok.speedup == pytest.approx(100 / 95)
+    res = _result([100.0] * 3, [95.0] * 3, ctl, True)
+    e = verified_entry(
+        res, ok, routing_class="uniform", fingerprint_hash=None, device_name=None, evidence="x"
+    )
+    assert e is not None and e.status == "verified" and e.speedup == ok.speedup
+    # no control pair: never verified
+    assert not judge(_result([100.0] * 3, [90.0] * 3, ([], []), True)).verified
