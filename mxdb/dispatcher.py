@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mxdb.configs import KernelConfig
@@ -70,7 +70,6 @@ class _Family:
     """The store rows of one (op, dtype, family), parsed once."""
 
     rows: list[DispatchRow]
-    configs: dict[str, KernelConfig] = field(default_factory=dict)
     #: routing class -> (sorted token counts, the best eligible row at each); None until built
     index: dict[str, tuple[list[int], list[DispatchRow]]] | None = None
     empty_reason: str = "no_verified_entry"
@@ -91,6 +90,7 @@ class Dispatcher:
         self._lock = threading.RLock()
         self._cache: dict[tuple[Any, Any], Decision] = {}
         self._families: dict[tuple[str, str, str], _Family] = {}
+        self._configs: dict[str, KernelConfig] = {}
         self._fingerprints: dict[str, Fingerprint] | None = None
         self._match_cache: dict[str, bool] = {}
         self._generation = store.generation() if store is not None else 0
@@ -173,7 +173,8 @@ class Dispatcher:
     def _index(self, fam: _Family) -> None:
         """Group the dispatchable rows by routing class, sorted by tokens, best row per token count."""
         verified = [r for r in fam.rows if r.status == "verified"]
-        eligible = [r for r in verified if self._fingerprint_ok(r.fingerprint_hash)]
+        ok = {h for h in {r.fingerprint_hash for r in verified} if self._fingerprint_ok(h)}
+        eligible = [r for r in verified if r.fingerprint_hash in ok]
         if not verified:
             stale = any(r.status == "stale" for r in fam.rows)
             fam.empty_reason = "stale" if stale else "no_verified_entry"
@@ -189,8 +190,9 @@ class Dispatcher:
             if old is None or (r.speedup or 0.0, r.id) > (old.speedup or 0.0, old.id):
                 best[key] = r
         index: dict[str, tuple[list[int], list[DispatchRow]]] = {}
-        for (cls, _tokens), r in sorted(best.items(), key=lambda kv: kv[0]):
-            toks, rows = index.setdefault(cls, ([], []))
+        for key in sorted(best):
+            r = best[key]
+            toks, rows = index.setdefault(key[0], ([], []))
             toks.append(r.tokens)
             rows.append(r)
         fam.index = index
@@ -232,10 +234,12 @@ class Dispatcher:
         if best is None:
             return fallback("tokens_out_of_range" if any_class_ok else "routing_class_far")
         confidence, _, _, row, reason = best
-        config = fam.configs.get(row.config_hash)
+        # A config hash names one config, so parsed configs are shared by every family.
+        config = self._configs.get(row.config_hash)
         if config is None:
-            config = KernelConfig.parse(json.loads(row.config_json))
-            fam.configs[row.config_hash] = config
+            assert self.store is not None
+            config = KernelConfig.parse(json.loads(self.store.entry_config(row.id)))
+            self._configs[row.config_hash] = config
         return Decision(
             config=config,
             level=EXACT if reason == "exact_match" else NEIGHBOUR,

@@ -8,17 +8,19 @@ from typing import Any, NamedTuple
 
 
 class DispatchRow(NamedTuple):
-    """One entry as the dispatcher reads it (``Store.family_rows``): no parsing, no objects."""
+    """One entry as the dispatcher reads it (``Store.family_rows``): no parsing, no objects.
+
+    The config text is not included; ``Store.entry_config(id)`` reads it for the one row
+    the dispatcher chooses.
+    """
 
     id: int
     tokens: int
     routing_class: str
-    config_json: str
     config_hash: str
     fingerprint_hash: str | None
     status: str
     speedup: float | None
-    noise_band: float | None
 
 
 @dataclass(frozen=True)

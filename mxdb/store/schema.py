@@ -103,8 +103,21 @@ entries = Table(
     Column("stale_reason", Text, nullable=True),
     Column("created_at", UTCDateTime, nullable=False),
 )
-# The dispatcher's lookup.
-Index("ix_entries_op_dtype_family", entries.c.op, entries.c.dtype, entries.c.family)
+# The dispatcher's lookup of a family: a covering index (no config text), revision 0003.
+Index(
+    "ix_entries_dispatch",
+    entries.c.op,
+    entries.c.dtype,
+    entries.c.family,
+    entries.c.tokens,
+    entries.c.routing_class,
+    entries.c.status,
+    entries.c.fingerprint_hash,
+    entries.c.config_hash,
+    entries.c.speedup,
+    entries.c.noise_band,
+    entries.c.id,
+)
 # The natural key.  fingerprint_hash may be NULL, and NULLs never collide in a unique
 # index, so the index is on COALESCE(fingerprint_hash, '') (same on SQLite and PostgreSQL).
 NATURAL_KEY_FP = func.coalesce(entries.c.fingerprint_hash, literal_column("''"))

@@ -79,10 +79,10 @@ def _chunks(items: Sequence[T], size: int = _CHUNK) -> Iterator[Sequence[T]]:
 # The dispatcher's first lookup of a family, as plain SQL run on the DBAPI cursor
 # ("?" becomes the driver's placeholder).  Column order is DispatchRow's.
 _FAMILY_SQL = (
-    "SELECT id, tokens, routing_class, config, config_hash, fingerprint_hash, status, "
-    "speedup, noise_band FROM entries WHERE op = ? AND dtype = ? AND family = ? "
-    "ORDER BY tokens"
+    "SELECT id, tokens, routing_class, config_hash, fingerprint_hash, status, speedup "
+    "FROM entries WHERE op = ? AND dtype = ? AND family = ?"
 )
+_CONFIG_SQL = "SELECT config FROM entries WHERE id = ?"
 _BUMP_GENERATION = (
     update(meta_t)
     .where(meta_t.c.key == GENERATION_KEY)
@@ -174,6 +174,7 @@ class Store:
         placeholder = "?" if engine.dialect.paramstyle == "qmark" else "%s"
         self._family_sql = _FAMILY_SQL.replace("?", placeholder)
         self._generation_sql = "SELECT value FROM meta WHERE key = ?".replace("?", placeholder)
+        self._config_sql = _CONFIG_SQL.replace("?", placeholder)
 
     # -- opening and closing -------------------------------------------------------
 
@@ -434,12 +435,20 @@ class Store:
         return self._write("setting entry status", fn)
 
     def family_rows(self, op: str, dtype: str, family: str) -> list[DispatchRow]:
-        """Every entry of one (op, dtype, family), any status, as light rows ordered by tokens.
+        """Every entry of one (op, dtype, family), any status, as light rows (no order).
 
-        The dispatcher's first lookup of a family: see ``_fetch_raw``.
+        The dispatcher's first lookup of a family, answered from a covering index: see
+        ``_fetch_raw``.
         """
         rows = self._fetch_raw("reading a family", self._family_sql, (op, dtype, family))
         return list(map(DispatchRow._make, rows))
+
+    def entry_config(self, id: int) -> str:
+        """The config JSON text of entry ``id`` (NotFoundError if there is none)."""
+        rows = self._fetch_raw("reading an entry's config", self._config_sql, (id,))
+        if not rows:
+            raise NotFoundError(f"no entry with id {id} in {self.url}")
+        return str(rows[0][0])
 
     def _fetch_raw(self, what: str, sql: str, params: tuple[Any, ...]) -> list[Any]:
         """Run a fixed SQL string on a pooled DBAPI connection and return its rows.
