@@ -212,6 +212,396 @@ def run_point(
     return out
 
 
+# -- the GPU run: exhaustive sweeps and mxdb's search on several GPUs in parallel ----------------
+
+#: (model preset, M, routing kind, routing params) of the GPU run: one shape family and dtype
+#: whose points all take FlagGems' aligned (non-sparse) path, so that they share one compiled
+#: grid (Triton specializes on the token-slot count only by its divisibility by 16).
+GPU_POINTS: list[tuple[str, int, str, dict[str, Any]]] = [
+    ("qwen3-30b-a3b", 16, "uniform", {}),
+    ("qwen3-30b-a3b", 64, "zipf", {"exponent": 1.2}),
+    ("qwen3-30b-a3b", 256, "uniform", {}),
+]
+
+EXHAUSTIVE_DEFINITION = (
+    "exhaustive = every config of vLLM's 1,920-point grid that the resource proxy lets through "
+    "and that compiles, timed as GEMM1 with GEMM2 fixed at FlagGems' choice, and every such "
+    "config timed as GEMM2 with GEMM1 fixed at FlagGems' choice (each GEMM on its own; the "
+    "layer's GEMMs run one after the other, so their times add); alignment block = the larger "
+    "BLOCK_SIZE_M of the two GEMMs. Each config: {samples} samples of {calls} CUDA-graph-replayed "
+    "layer calls, median. The exhaustive best is the fastest, in the final interleaved timing, "
+    "of: best GEMM1 sweep config, best GEMM2 sweep config, and their combination."
+)
+GPU_TIME_DEFINITION = (
+    "GPU time = wall-clock seconds spent inside the backend's time() and check() calls on one "
+    "GPU (pipeline set-up, correctness pre-check, warm-up, graph capture and replays); compile "
+    "time runs on the host's CPU cores and is reported apart. sampled_gpu_seconds = sum of the "
+    "timed samples x calls per sample (the replays alone)."
+)
+
+
+def _point_shape(name: str, m: int, dtype: str) -> MoEShape:
+    return preset_shape(name, m, dtype)
+
+
+def _point_traces(
+    name: str, m: int, kind: str, params: dict[str, Any], dtype: str, seed: int
+) -> tuple[MoEShape, np.ndarray, np.ndarray]:
+    shape = _point_shape(name, m, dtype)
+    return (
+        shape,
+        traces.generate(kind, shape, seed, params),
+        traces.generate(kind, shape, seed + 7919, params),
+    )
+
+
+class _GpuMeter:
+    """Wall time of time()/check() calls and the replayed GPU time of their samples."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.name = inner.name
+        self.wall: list[float] = []
+        self.sampled_s = 0.0
+        self.compile_s = 0.0
+
+    @property
+    def gpu_s(self) -> float:
+        return float(sum(self.wall))
+
+    def clock(self) -> float:
+        return self.gpu_s
+
+    def fingerprint(self) -> Any:
+        return self.inner.fingerprint()
+
+    def profile(self) -> Any:
+        return self.inner.profile()
+
+    def baseline_config(self, shape: MoEShape) -> KernelConfig:
+        return self.inner.baseline_config(shape)
+
+    def compile(self, shape: MoEShape, configs: Sequence[KernelConfig]) -> list[Any]:
+        t0 = time.monotonic()
+        out = self.inner.compile(shape, configs)
+        self.compile_s += time.monotonic() - t0
+        return out
+
+    def time(
+        self,
+        shape: MoEShape,
+        topk_ids: np.ndarray,
+        configs: Sequence[KernelConfig],
+        *,
+        reps: int,
+        seed: int,
+        method: str = "graph",
+    ) -> list[Timing]:
+        t0 = time.monotonic()
+        out = self.inner.time(shape, topk_ids, configs, reps=reps, seed=seed, method=method)
+        self.wall.append(time.monotonic() - t0)
+        calls = getattr(self.inner, "calls_per_sample", 1)
+        self.sampled_s += sum(sum(t.samples_us) for t in out) * calls * 1e-6
+        return out
+
+    def check(
+        self, shape: MoEShape, topk_ids: np.ndarray, config: KernelConfig, *, seed: int
+    ) -> Correctness:
+        t0 = time.monotonic()
+        out = self.inner.check(shape, topk_ids, config, seed=seed)
+        self.wall.append(time.monotonic() - t0)
+        return out
+
+
+def _grid_configs(shape: MoEShape, backend: Any, which: str) -> tuple[list[KernelConfig], int]:
+    """The sweep's configs that pass the resource proxy, and how many the proxy dropped."""
+    space = SearchSpace(shape, backend.profile())
+    base = backend.baseline_config(shape)
+    if which == "gemm1":
+        cands = [joint(g, base.gemm2) for g in space.grid]
+    else:
+        cands = [joint(base.gemm1, g) for g in space.grid]
+    kept, dropped = space.prune(cands)
+    return kept, len(dropped)
+
+
+def _sweep(backend: Any, task: dict[str, Any]) -> dict[str, Any]:
+    name, m, kind, params = task["point"]
+    shape, ids, _ = _point_traces(name, m, kind, params, task["dtype"], task["seed"])
+    configs, dropped = _grid_configs(shape, backend, task["which"])
+    results = backend.compile(shape, configs)
+    ok = [c for c, r in zip(configs, results, strict=True) if r.status == "ok"]
+    failed: dict[str, int] = {}
+    for r in results:
+        if r.status != "ok":
+            failed[r.status] = failed.get(r.status, 0) + 1
+    rows: list[dict[str, Any]] = []
+    for i in range(0, len(ok), 64):
+        chunk = ok[i : i + 64]
+        timings = backend.time(shape, ids, chunk, reps=task["samples"], seed=task["seed"])
+        for c, t in zip(chunk, timings, strict=True):
+            rows.append(
+                {
+                    "config": c.model_dump(),
+                    "status": t.status,
+                    "samples_us": list(t.samples_us),
+                }
+            )
+            if t.status != "ok":
+                failed[t.status] = failed.get(t.status, 0) + 1
+    timed = [r for r in rows if r["status"] == "ok" and r["samples_us"]]
+    best = min(timed, key=lambda r: stats.median(r["samples_us"]))
+    return {
+        "kind": "sweep",
+        "which": task["which"],
+        "configs_in_grid": len(configs) + dropped,
+        "proxy_rejected": dropped,
+        "failed": failed,
+        "timed": rows,
+        "best": best["config"],
+        "time_call_wall_s": list(backend.wall),
+        "gpu_seconds": backend.gpu_s,
+        "sampled_gpu_seconds": backend.sampled_s,
+        "compile_seconds": backend.compile_s,
+    }
+
+
+def _mxdb(backend: Any, task: dict[str, Any]) -> dict[str, Any]:
+    name, m, kind, params = task["point"]
+    shape, ids, syn = _point_traces(name, m, kind, params, task["dtype"], task["seed"])
+    point = PointInput(
+        shape=shape,
+        replay=RoutingInput(ids, trace_hash(shape.experts, ids.tolist()), kind),
+        synthetic=RoutingInput(syn, trace_hash(shape.experts, syn.tolist()), kind),
+        seed=task["seed"],
+        run_prefix="bench",
+        peer_seeds=tuple(KernelConfig.parse(c) for c in task.get("peer_seeds", [])),
+    )
+    options = SearchOptions(**task["options"])
+    res = search(
+        backend, point, options, space=SearchSpace(shape, backend.profile()), clock=backend.clock
+    )
+    winner = res.winner or res.baseline
+    return {
+        "kind": "mxdb",
+        "winner": winner.model_dump(),
+        "found_winner": res.winner is not None,
+        "configs_timed": sum(1 for x in res.measurements if x.samples_us),
+        "measurements": len(res.measurements),
+        "stages": res.stages,
+        "options": options.model_dump(),
+        "time_call_wall_s": list(backend.wall),
+        "gpu_seconds": backend.gpu_s,
+        "sampled_gpu_seconds": backend.sampled_s,
+        "compile_seconds": backend.compile_s,
+    }
+
+
+def _final(backend: Any, task: dict[str, Any]) -> dict[str, Any]:
+    """Interleaved timing of the exhaustive candidates, mxdb's winner and a baseline pair."""
+    name, m, kind, params = task["point"]
+    shape, ids, _ = _point_traces(name, m, kind, params, task["dtype"], task["seed"])
+    base = backend.baseline_config(shape)
+    lineup = [KernelConfig.parse(c) for c in task["lineup"]]
+    lineup = [*lineup, base, base]
+    timings = backend.time(shape, ids, lineup, reps=task["final_reps"], seed=task["seed"])
+    checks = []
+    for c in lineup[:-1]:
+        corr = backend.check(shape, ids, c, seed=1234)
+        checks.append({"max_abs_err": corr.max_abs_err, "rel_err": corr.rel_err, "ok": corr.passed})
+    checks.append(checks[-1])
+    return {
+        "kind": "final",
+        "lineup": [c.model_dump() for c in lineup],
+        "labels": [*task["labels"], "baseline", "control"],
+        "status": [t.status for t in timings],
+        "samples_us": [list(t.samples_us) for t in timings],
+        "checks": checks,
+    }
+
+
+def _gpu_worker(device: int, tasks: Any, results: Any, compile_workers: int) -> None:
+    import os
+
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(device)
+    from mxdb.kernels.backend import GpuBackend
+
+    gpu = GpuBackend(0, calls_per_sample=8, warmup=2, compile_workers=compile_workers)
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        meter = _GpuMeter(gpu)
+        t0 = time.monotonic()
+        try:
+            fn = {"sweep": _sweep, "mxdb": _mxdb, "final": _final}[task["kind"]]
+            out = fn(meter, task)
+            out["ok"] = True
+        except Exception as exc:  # a failed task is reported, the others go on
+            import traceback
+
+            out = {"ok": False, "error": traceback.format_exc()[-4000:], "kind": task["kind"]}
+            print(f"bench task {task['id']} failed: {exc!r}", file=sys.stderr, flush=True)
+        out["id"] = task["id"]
+        out["device"] = device
+        out["wall_seconds"] = time.monotonic() - t0
+        results.put(out)
+        print(
+            f"gpu{device}: {task['id']} done in {out['wall_seconds']:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+    gpu.close()
+
+
+def _run_tasks(devices: Sequence[int], tasks: list[dict[str, Any]]) -> dict[str, Any]:
+    import multiprocessing as mp
+    import os
+
+    ctx = mp.get_context("spawn")
+    tq: Any = ctx.Queue()
+    rq: Any = ctx.Queue()
+    for t in tasks:
+        tq.put(t)
+    for _ in devices:
+        tq.put(None)
+    cw = max(2, (os.cpu_count() or 2) // len(devices) - 1)
+    procs = [ctx.Process(target=_gpu_worker, args=(d, tq, rq, cw)) for d in devices]
+    for p in procs:
+        p.start()
+    out: dict[str, Any] = {}
+    while len(out) < len(tasks):
+        try:
+            r = rq.get(timeout=5)
+        except Exception:
+            if not any(p.is_alive() for p in procs):
+                break
+            continue
+        out[r["id"]] = r
+    for p in procs:
+        p.join(timeout=30)
+    return out
+
+
+def precompile(dtype: str, seed: int) -> int:
+    """Fill Triton's cache with both GEMMs of every grid config for the GPU points' shape."""
+    import os
+
+    from mxdb.kernels.backend import GpuBackend
+
+    name, m, _, _ = GPU_POINTS[0]
+    shape = _point_shape(name, m, dtype)
+    gpu = GpuBackend(0, compile_workers=max(2, (os.cpu_count() or 2) // 2))
+    space = SearchSpace(shape, gpu.profile())
+    kept, _ = space.prune(space.uniform())
+    t0 = time.monotonic()
+    res = gpu.compile(shape, kept)
+    counts: dict[str, int] = {}
+    for r in res:
+        counts[r.status] = counts.get(r.status, 0) + 1
+    print(
+        f"precompiled {len(kept)} configs in {time.monotonic() - t0:.1f} s: {counts}",
+        file=sys.stderr,
+        flush=True,
+    )
+    gpu.close()
+    return 0
+
+
+def main_gpu(args: argparse.Namespace) -> int:
+    """The GPU run (see the module docstring): writes bench_tuning_gpu.json."""
+    from mxdb.tune.workload import load_workload
+
+    if args.precompile:
+        return precompile(args.dtype, args.seed)
+    devices = [int(x) for x in args.devices.split(",")]
+    wl = load_workload(args.workload) if args.workload else None
+    options = (wl.search if wl else SearchOptions()).model_dump(exclude={"budget_minutes"})
+    points = GPU_POINTS[: args.points]
+    peer: dict[int, list[str]] = {}
+    if args.db:
+        from mxdb.store import Store
+        from mxdb.tune.space import peer_seeds
+
+        with Store.open(args.db) as store:
+            for i, (name, m, _, _) in enumerate(points):
+                peer[i] = [
+                    c.model_dump_json()
+                    for c in peer_seeds(store, preset_shape(name, m, args.dtype))
+                ]
+    common = {"dtype": args.dtype, "seed": args.seed}
+    tasks: list[dict[str, Any]] = []
+    for i, pt in enumerate(points):
+        for which in ("gemm1", "gemm2"):
+            tasks.append(
+                {
+                    "id": f"p{i}-{which}",
+                    "kind": "sweep",
+                    "which": which,
+                    "point": pt,
+                    "samples": args.samples,
+                    **common,
+                }
+            )
+    for i, pt in enumerate(points):
+        tasks.append(
+            {
+                "id": f"p{i}-mxdb",
+                "kind": "mxdb",
+                "point": pt,
+                "options": options,
+                "peer_seeds": peer.get(i, []),
+                **common,
+            }
+        )
+    t0 = time.monotonic()
+    first = _run_tasks(devices, tasks)
+    atomic_write_json(args.out / "bench_tuning_gpu_phase1.json", first)
+    finals = []
+    for i, pt in enumerate(points):
+        s1, s2, mx = (first.get(f"p{i}-{k}") for k in ("gemm1", "gemm2", "mxdb"))
+        if not (s1 and s2 and mx and s1["ok"] and s2["ok"] and mx["ok"]):
+            continue
+        b1, b2 = KernelConfig.parse(s1["best"]), KernelConfig.parse(s2["best"])
+        combo = joint(b1.gemm1, b2.gemm2)
+        lineup = [b1, b2, combo, KernelConfig.parse(mx["winner"])]
+        finals.append(
+            {
+                "id": f"p{i}-final",
+                "kind": "final",
+                "point": pt,
+                "lineup": [c.model_dump_json() for c in lineup],
+                "labels": ["exhaustive_gemm1", "exhaustive_gemm2", "exhaustive_combined", "mxdb"],
+                "final_reps": args.final_reps,
+                **common,
+            }
+        )
+    second = _run_tasks(devices, finals) if finals else {}
+    doc = {
+        "benchmark": "mxdb.bench_tuning",
+        "backend": "gpu",
+        "devices": devices,
+        "exhaustive_definition": EXHAUSTIVE_DEFINITION.format(samples=args.samples, calls=8),
+        "gpu_time_definition": GPU_TIME_DEFINITION,
+        "samples_per_config": args.samples,
+        "calls_per_sample": 8,
+        "final_reps": args.final_reps,
+        "points": [
+            {
+                "point": list(pt),
+                "dtype": args.dtype,
+                "seed": args.seed,
+                "tasks": {k: v for k, v in {**first, **second}.items() if k.startswith(f"p{i}-")},
+            }
+            for i, pt in enumerate(points)
+        ],
+        "wall_seconds": time.monotonic() - t0,
+    }
+    path = atomic_write_json(args.out / "bench_tuning_gpu.json", doc)
+    print(path)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
     ap.add_argument("--backend", choices=["fake", "gpu"], default="fake")
@@ -221,8 +611,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--final-reps", type=int, default=200)
     ap.add_argument("--points", type=int, default=len(POINTS), help="use the first N points")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--devices", default="0", help="GPU run: comma-separated device indices")
+    ap.add_argument("--workload", default=None, help="GPU run: take the search options from it")
+    ap.add_argument("--db", default=None, help="GPU run: store URL for peer seeds")
+    ap.add_argument("--samples", type=int, default=3, help="GPU run: samples per grid config")
+    ap.add_argument("--precompile", action="store_true", help="GPU run: only fill the cache")
     args = ap.parse_args(argv)
 
+    if args.backend == "gpu":
+        if args.final_reps == 200:
+            args.final_reps = 30
+        if args.points == len(POINTS):
+            args.points = len(GPU_POINTS)
+        return main_gpu(args)
     if args.backend == "fake":
         from mxdb.tune.fake import FakeBackend
 

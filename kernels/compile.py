@@ -160,7 +160,9 @@ class CompilePool:
 
     def __init__(self, device_index: int = 0, workers: int | None = None) -> None:
         self.device_index = device_index
-        self.workers = workers or max(1, (os.cpu_count() or 2) - 1)
+        env = os.environ.get("MXDB_COMPILE_WORKERS", "")
+        default = int(env) if env.isdigit() and int(env) > 0 else max(1, (os.cpu_count() or 2) - 1)
+        self.workers = workers or default
         self._pool: Any = None
 
     def _get(self) -> Any:

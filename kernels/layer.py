@@ -2,15 +2,24 @@
 
 Built once per (shape family, dtype, device) from the expert weights; called with
 ``(x, topk_weights, topk_ids)``.  The first call at a token count M asks ``config_for(M)`` once
-(``None`` means FlagGems' own choice for that call) and builds that M's workspace, a
-:class:`~mxdb.kernels.pipeline.MoEPipeline`; every later call at M goes straight to it: no
-config lookup, no allocation, no host synchronization, so the call can itself be captured in
-the caller's CUDA graph.
+(``None`` means FlagGems' own choice for that call; :func:`dispatch_config_for` wires a
+:class:`mxdb.dispatcher.Dispatcher` or ``mxdb.dispatch``) and builds that M's workspace: a
+:class:`~mxdb.kernels.pipeline.MoEPipeline` (every buffer, the alignment's scratch included),
+run once to compile and autotune, then recorded into a :class:`~mxdb.kernels.lean.LaunchPlan`.
+
+The plan replays each Triton launch through Triton's compiled launcher directly, with the
+argument list built once: a call writes only its tensors and the current stream into their slots.
+This skips Triton's per-launch binding and cache-key work, FlagGems' wrappers (logging, its
+pointwise wrapper around the activation, the autotuner's lookup for ``moe_sum``) and the
+alignment's scratch allocations.  A call makes these launches and nothing else: no config
+lookup, no allocation, no host synchronization; it can be captured in the caller's CUDA graph.
+Launches per call: 4 for sparse batches (GEMM1, activation, GEMM2, sum); 9 otherwise (memset of
+the alignment counts and FlagGems' 4 alignment stages before them), plus one copy per GEMM whose
+``block_m`` is below ``align_block``.
 
 With ``graphs=True`` the layer keeps its own CUDA graph per M (captured on the second call at
-that M, after a warm-up call): a call then copies its inputs into the graph's static buffers and
-replays it, one launch for the whole layer instead of about ten.  Do not use ``graphs=True``
-inside a caller's own graph capture.
+that M): a call then copies its inputs into the graph's static buffers and replays it.  Do not
+use ``graphs=True`` inside a caller's own graph capture.
 
 The returned tensor is the workspace's output buffer: the next call at the same M overwrites it
 (pass ``out=`` to keep results).
@@ -18,39 +27,144 @@ The returned tensor is the workspace's output buffer: the next call at the same 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
+from mxdb.kernels.lean import OUT, TOPK_IDS, TOPK_WEIGHTS, LaunchPlan, LeanLayer, Step, X
 from mxdb.kernels.pipeline import MoEPipeline
 from mxdb.kernels.timing import capture
 
-from mxdb.configs import KernelConfig
+from mxdb.configs import GemmConfig, KernelConfig
 from mxdb.shapes import MoEShape, canonical_dtype
 
 ConfigFor = Callable[[int], "KernelConfig | None"]
 
 
+def flaggems_kernel_config(shape: MoEShape) -> KernelConfig:
+    """FlagGems 5.0.2's own choice for ``shape`` as a :class:`KernelConfig` (both GEMMs)."""
+    from mxdb.kernels.backend import flaggems_config
+
+    raw = flaggems_config(shape)
+    return KernelConfig.uniform(
+        GemmConfig.from_triton({k: v for k, v in raw.items() if k != "SWAP_AB"})
+    )
+
+
+def dispatch_config_for(
+    family_shape: MoEShape, dispatcher: Any = None, routing: Any = None
+) -> ConfigFor:
+    """``config_for`` answering from ``dispatcher`` (default: ``mxdb.dispatch``) per token count.
+
+    A fallback decision (no verified entry) answers ``None``: the layer then uses FlagGems' own
+    choice for that token count.
+    """
+    if dispatcher is None:
+        from mxdb.dispatcher import dispatch as ask
+    else:
+        ask = dispatcher.dispatch
+
+    def config_for(tokens: int) -> KernelConfig | None:
+        return ask(family_shape.with_tokens(tokens), routing).config  # type: ignore[no-any-return]
+
+    return config_for
+
+
+def record_plan(
+    pipe: MoEPipeline, x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor
+) -> LaunchPlan:
+    """Record one call of ``pipe`` (already warmed up) into a :class:`LaunchPlan`.
+
+    Each Triton launch is captured at Triton's launcher (``driver.active.launcher_cls``) with its
+    grid and argument list; the call's own tensors are found in the list by identity and become
+    slots of the plan.  Raises ``RuntimeError`` when a launch cannot be recorded (a launch hook
+    is installed, or a step launched nothing): the caller then keeps the pipeline.
+    """
+    from triton import knobs
+    from triton.runtime import driver
+
+    if knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
+        raise RuntimeError("a Triton launch hook is installed: launches are not recorded")
+    cls = driver.active.launcher_cls
+    orig = cls.__call__
+    inputs = (x, tw, ids, pipe.out)
+    slots = ((X, x), (TOPK_WEIGHTS, tw), (TOPK_IDS, ids), (OUT, pipe.out))
+    steps: list[Step] = []
+    for kind, thunk in pipe.steps(*inputs):
+        if kind == "torch":
+            steps.append((thunk, [], (), -1))
+            thunk()
+            continue
+        log: list[tuple[Any, ...]] = []
+
+        def rec(
+            self: Any, gx: int, gy: int, gz: int, stream: Any, function: Any, *args: Any
+        ) -> Any:
+            log.append((self, gx, gy, gz, function, args))  # noqa: B023
+            return orig(self, gx, gy, gz, stream, function, *args)
+
+        cls.__call__ = rec
+        try:
+            thunk()
+        finally:
+            cls.__call__ = orig
+        if not log:
+            raise RuntimeError(f"step {len(steps)} launched no Triton kernel")
+        for launcher, gx, gy, gz, function, args in log:
+            scratch = getattr(launcher, "global_scratch_size", 0) or getattr(
+                launcher, "profile_scratch_size", 0
+            )
+            if scratch or not hasattr(launcher, "launch"):
+                fn: Callable[..., Any] = launcher
+                head: list[Any] = [gx, gy, gz, None, function]
+            else:
+                fn = launcher.launch
+                head = [
+                    gx, gy, gz, None, function,
+                    launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
+                ]  # fmt: skip
+            full = head + list(args)
+            binds = tuple(
+                (len(head) + j, slot) for j, a in enumerate(args) for slot, t in slots if a is t
+            )
+            steps.append((fn, full, binds, 3))
+    stream_fn = functools.partial(torch._C._cuda_getCurrentRawStream, x.device.index)
+    return LaunchPlan(steps, pipe.out, stream_fn)
+
+
+class _GraphSlot:
+    """Graph mode for one M: runs the plan on the first call, captures a graph on the second."""
+
+    def __init__(self, layer: MoELayer, tokens: int, plan: Any) -> None:
+        self.layer, self.tokens, self.plan = layer, tokens, plan
+
+    def __call__(self, x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: Any) -> Any:
+        g = _GraphedCall(self.plan, x, tw, ids)
+        self.layer.set_workspace(self.tokens, g)
+        return g(x, tw, ids, out)
+
+
 class _GraphedCall:
-    """One M's pipeline replayed from a CUDA graph over static input buffers."""
+    """One M's plan replayed from a CUDA graph over static input buffers."""
 
-    def __init__(
-        self, pipe: MoEPipeline, x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor
-    ) -> None:
-        self.x = x.clone()
-        self.tw = tw.clone()
-        self.ids = ids.clone()
-        self.pipe = pipe
-        self.graph = capture(lambda: pipe(self.x, self.tw, self.ids), 1)
+    def __init__(self, plan: Any, x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor) -> None:
+        self.x, self.tw, self.ids = x.clone(), tw.clone(), ids.clone()
+        self.plan = plan
+        self.graph = capture(lambda: plan(self.x, self.tw, self.ids), 1)
 
-    def __call__(self, x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, tw: torch.Tensor, ids: torch.Tensor, out: Any = None
+    ) -> Any:
         self.x.copy_(x)
         self.tw.copy_(tw)
         self.ids.copy_(ids)
         self.graph.replay()
-        return self.pipe.out
+        res = self.plan.out
+        return res if out is None else out.copy_(res)
 
 
-class MoELayer:
+class MoELayer(LeanLayer):
     """The MoE layer for one family, with a config per token count from ``config_for``."""
 
     def __init__(
@@ -61,59 +175,46 @@ class MoELayer:
         config_for: ConfigFor | None = None,
         *,
         graphs: bool = False,
+        record: bool = True,
     ) -> None:
         e, two_i, h = w1.shape
         self.family_shape = MoEShape(e, h, two_i // 2, topk, 1, canonical_dtype(w1.dtype))
         self.w1 = w1.contiguous()
         self.w2 = w2.contiguous()
         self.topk = topk
-        self.config_for = config_for
         self.graphs = graphs
-        self._pipes: dict[int, MoEPipeline] = {}
-        self._graphed: dict[int, _GraphedCall] = {}
-        self._seen: dict[int, int] = {}
+        self.record = record
+        self.pipelines: dict[int, MoEPipeline] = {}
+        self.record_errors: dict[int, str] = {}
+        super().__init__(
+            self._build_workspace,
+            config_for,
+            lambda m: flaggems_kernel_config(self.family_shape.with_tokens(m)),
+        )
 
-    def config_at(self, tokens: int) -> KernelConfig:
-        """The config a call at ``tokens`` uses (asked once per token count)."""
-        cfg = self.config_for(tokens) if self.config_for is not None else None
-        if cfg is None:
-            from mxdb.kernels.backend import flaggems_config
-
-            from mxdb.configs import GemmConfig
-
-            raw = flaggems_config(self.family_shape.with_tokens(tokens))
-            gemm = GemmConfig.from_triton({k: v for k, v in raw.items() if k != "SWAP_AB"})
-            cfg = KernelConfig.uniform(gemm)
-        return cfg
-
-    def workspace(self, tokens: int) -> MoEPipeline:
-        """The pipeline (buffers and launches) for ``tokens`` tokens, built on first use."""
-        pipe = self._pipes.get(tokens)
-        if pipe is None:
-            shape = self.family_shape.with_tokens(tokens)
-            pipe = MoEPipeline(shape, self.config_at(tokens), self.w1, self.w2)
-            self._pipes[tokens] = pipe
-        return pipe
-
-    def __call__(
+    def _build_workspace(
         self,
+        tokens: int,
+        config: KernelConfig,
         x: torch.Tensor,
-        topk_weights: torch.Tensor,
-        topk_ids: torch.Tensor,
-        out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        m = x.shape[0]
+        tw: torch.Tensor,
+        ids: torch.Tensor,
+    ) -> Any:
+        pipe = MoEPipeline(self.family_shape.with_tokens(tokens), config, self.w1, self.w2)
+        self.pipelines[tokens] = pipe
+        ws: Any = pipe
+        if self.record:
+            pipe(x, tw, ids)  # compile, load modules and autotune moe_sum before recording
+            try:
+                ws = record_plan(pipe, x, tw, ids)
+            except Exception as exc:  # keep the (slower) pipeline: results are the same
+                self.record_errors[tokens] = f"{type(exc).__name__}: {exc}"
         if self.graphs:
-            g = self._graphed.get(m)
-            if g is not None:
-                res = g(x, topk_weights, topk_ids)
-                return res if out is None else out.copy_(res)
-            pipe = self.workspace(m)
-            if self._seen.get(m, 0) >= 1:  # warmed up: capture now
-                self._graphed[m] = _GraphedCall(pipe, x, topk_weights, topk_ids)
-                res = self._graphed[m](x, topk_weights, topk_ids)
-                return res if out is None else out.copy_(res)
-            self._seen[m] = 1
-            return pipe(x, topk_weights, topk_ids, out)
-        pipe = self._pipes.get(m) or self.workspace(m)
-        return pipe(x, topk_weights, topk_ids, out)
+            return _GraphSlot(self, tokens, ws)
+        return ws
+
+    def launches(self, tokens: int) -> int | None:
+        """Launcher calls per layer call at ``tokens`` (``None`` before it is built or unrecorded)."""
+        ws = self.workspace(tokens)
+        plan = ws.plan if isinstance(ws, (_GraphSlot, _GraphedCall)) else ws
+        return plan.launches if isinstance(plan, LaunchPlan) else None

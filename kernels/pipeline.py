@@ -21,24 +21,31 @@ one value serves both GEMMs.
 Sparse batches (``tokens * topk * 4 <= experts``) follow FlagGems: no alignment, one tile per token
 slot ("naive block assignment"); ``align_block`` is then unused.
 
-Every buffer is allocated once, at construction, for one token count; a call does no allocation
-of its own (FlagGems' alignment kernel allocates two small scratch tensors), no config lookup and
-no logging, so it can be captured in a CUDA graph.
+Every buffer is allocated once, at construction, for one token count; a call does no allocation,
+no config lookup and no logging, so it can be captured in a CUDA graph.  The alignment runs
+FlagGems' own four stage kernels (``moe_align_block_size_stage1`` .. ``stage4``, the path
+``moe_align_block_size_triton`` takes without TLE) on preallocated scratch buffers instead of
+the two tensors FlagGems allocates per call; one memset clears the counts.
 """
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import triton
 import triton.language as tl
 from flag_gems.fused.fused_moe import MoEActivation, apply_moe_activation, fused_moe_kernel
-from flag_gems.fused.moe_align_block_size import moe_align_block_size_triton
 from flag_gems.fused.moe_sum import moe_sum
 
 from mxdb.configs import GemmConfig, KernelConfig
 from mxdb.shapes import MoEShape
+
+# flag_gems.fused re-exports functions under its submodules' names: take the module itself
+_mab = importlib.import_module("flag_gems.fused.moe_align_block_size")
 
 #: FlagGems skips the alignment when token slots are this sparse over the experts.
 SPARSITY_FACTOR = 4
@@ -223,6 +230,24 @@ class MoEPipeline:
                 "gemm1": expanded.get(config.gemm1.block_m, self.align_expert_ids),
                 "gemm2": expanded.get(config.gemm2.block_m, self.align_expert_ids),
             }
+            # FlagGems' alignment scratch, allocated once: counts per (stage row, expert) and
+            # the padded prefix sum; cumsum[0] is never written by the stages and stays 0
+            self._cnts = torch.zeros((e + 1, e), dtype=i32, device=dev)
+            self._cumsum = torch.zeros(e + 1, dtype=i32, device=dev)
+            n_sorted, n_exp = length, length // align
+            self._stage_consts = (
+                triton.next_power_of_2(-(-slots // e)),  # tokens_per_thread
+                triton.next_power_of_2(-(-n_sorted // e)),  # block_size_sorted
+                triton.next_power_of_2(-(-n_exp // e)),  # block_size_expert
+                triton.next_power_of_2(e),
+                n_sorted,
+                n_exp,
+            )
+            self._stage2 = (
+                _mab.moe_align_block_size_stage2_vec
+                if e == triton.next_power_of_2(e)
+                else _mab.moe_align_block_size_stage2
+            )
         # cache1 ([M, k, 2I]) and cache3 ([M, k, H]) are separate: no aliasing across calls
         self.cache1 = torch.empty((m, k, 2 * i), dtype=dtype, device=dev)
         self.cache2 = torch.empty((slots, i), dtype=dtype, device=dev)
@@ -239,6 +264,59 @@ class MoEPipeline:
         self._grid2 = self.g2.grid
         self._silu = MoEActivation.SILU
 
+    def _align_stages(self, topk_ids: torch.Tensor) -> list[Callable[[], object]]:
+        """FlagGems' alignment stage launches on this workspace's buffers (after the memset)."""
+        e = self.shape.experts
+        block = self.config.align_block
+        tpt, bss, bse, e_pow2, n_sorted, n_exp = self._stage_consts
+        slots = self.shape.tokens * self.shape.topk
+        grid = (e,)
+        cnts, cumsum, sids, eids = self._cnts, self._cumsum, self.sorted_ids, self.align_expert_ids
+        stage2 = self._stage2
+        return [
+            lambda: _mab.moe_align_block_size_stage1[grid](
+                topk_ids, cnts, e, slots, tpt, sids, eids, n_sorted, n_exp, bss, bse
+            ),
+            lambda: stage2[grid](cnts, e),
+            lambda: _mab.moe_align_block_size_stage3[(1,)](
+                self.ntpp, cnts, cumsum, e, e_pow2, block
+            ),
+            lambda: _mab.moe_align_block_size_stage4[grid](
+                topk_ids, sids, eids, cnts, cumsum, e, block, slots, tpt
+            ),
+        ]
+
+    def steps(
+        self,
+        x: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        out: torch.Tensor,
+    ) -> list[tuple[str, Callable[[], object]]]:
+        """The call's launches in order, as ``("torch" | "triton", thunk)`` pairs.
+
+        ``kernels.layer`` records the Triton launches of each thunk once and replays them
+        directly; the torch steps (the memset of the alignment counts, the expansion of expert
+        ids per tile) are replayed as they are.
+        """
+        a1, a2 = list(self._a1), list(self._a2)
+        a1[0], a1[6], a2[6] = x, topk_weights, topk_weights
+        out_steps: list[tuple[str, Callable[[], object]]] = []
+        if self.naive:
+            a1[8] = a2[8] = topk_ids
+        else:
+            out_steps.append(("torch", self._cnts.zero_))
+            out_steps += [("triton", f) for f in self._align_stages(topk_ids)]
+            out_steps += [("torch", lambda d=d, s=s: d.copy_(s)) for d, s in self._expand]
+        k1, k2, g1, g2 = self._k1, self._k2, self._grid1, self._grid2
+        out_steps += [
+            ("triton", lambda: fused_moe_kernel[g1](*a1, **k1)),
+            ("triton", lambda: apply_moe_activation(self._silu, self.cache2, self._cache1_2d)),
+            ("triton", lambda: fused_moe_kernel[g2](*a2, **k2)),
+            ("triton", lambda: moe_sum(self.cache3, out)),
+        ]
+        return out_steps
+
     def __call__(
         self,
         x: torch.Tensor,
@@ -246,22 +324,15 @@ class MoEPipeline:
         topk_ids: torch.Tensor,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        e = self.shape.experts
         if self.naive:
-            ids = topk_ids.view(-1)
             a1 = self._a1
-            a1[0], a1[6], a1[8] = x, topk_weights, ids
+            a1[0], a1[6], a1[8] = x, topk_weights, topk_ids
             a2 = self._a2
-            a2[6], a2[8] = topk_weights, ids
+            a2[6], a2[8] = topk_weights, topk_ids
         else:
-            moe_align_block_size_triton(
-                topk_ids,
-                e,
-                self.config.align_block,
-                self.sorted_ids,
-                self.align_expert_ids,
-                self.ntpp,
-            )
+            self._cnts.zero_()
+            for launch in self._align_stages(topk_ids):
+                launch()
             for dst, src in self._expand:
                 dst.copy_(src)
             a1 = self._a1

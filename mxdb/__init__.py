@@ -14,11 +14,33 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from typing import TYPE_CHECKING, Any
+
 from mxdb.configs import GemmConfig, KernelConfig
 from mxdb.decision import Decision
 from mxdb.dispatcher import Dispatcher, DispatchOptions, configure, dispatch
 from mxdb.errors import MxdbError
 from mxdb.shapes import MoEShape
+
+if TYPE_CHECKING:
+    from mxdb.runtime.hook import Hook
+
+
+def install(
+    dispatcher: Dispatcher | None = None, *, monitor_every: int = 1024, **options: Any
+) -> Hook:
+    """Make FlagGems' fused-MoE path take its configs from mxdb (see ``mxdb.runtime.hook``)."""
+    from mxdb.runtime.hook import install as _install
+
+    return _install(dispatcher, monitor_every=monitor_every, **options)
+
+
+def uninstall() -> bool:
+    """Restore FlagGems' own functions; False when the hook was not installed."""
+    from mxdb.runtime.hook import uninstall as _uninstall
+
+    return _uninstall()
+
 
 __all__ = [
     "Decision",
@@ -31,4 +53,6 @@ __all__ = [
     "__version__",
     "configure",
     "dispatch",
+    "install",
+    "uninstall",
 ]

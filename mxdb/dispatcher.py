@@ -93,6 +93,9 @@ class Dispatcher:
         self._configs: dict[str, KernelConfig] = {}
         self._fingerprints: dict[str, Fingerprint] | None = None
         self._match_cache: dict[str, bool] = {}
+        #: (shape, routing class) -> decision put in front of the store's answer (self-healing);
+        #: kept in the per-key cache itself, so a call with no override costs nothing more.
+        self._overrides: dict[tuple[Any, Any], Decision] = {}
         self._generation = store.generation() if store is not None else 0
         self._deadline = _monotonic() + self.options.refresh_interval
 
@@ -128,7 +131,7 @@ class Dispatcher:
                 self._invalidate()
 
     def _invalidate(self) -> None:
-        self._cache = {}
+        self._cache = dict(self._overrides)
         self._families = {}
         self._fingerprints = None
         self._match_cache = {}
@@ -140,6 +143,91 @@ class Dispatcher:
                 self._generation = self.store.generation()
             self._invalidate()
             self._deadline = _monotonic() + self.options.refresh_interval
+
+    # -- overrides and ranked alternatives (online self-healing) ---------------------------
+
+    def set_override(self, shape: Any, routing: Any, decision: Decision | None) -> None:
+        """Answer ``dispatch(shape, routing)`` with ``decision`` until cleared (``None`` clears).
+
+        ``routing`` is the exact key callers pass (a routing class name or None).  The
+        override lives in the per-key cache, so the hot path is unchanged; it survives
+        refreshes and store changes until cleared.
+        """
+        key = (shape, routing)
+        with self._lock:
+            if decision is None:
+                if self._overrides.pop(key, None) is not None:
+                    self._cache.pop(key, None)
+            else:
+                self._overrides[key] = decision
+                self._cache[key] = decision
+
+    def overrides(self) -> dict[tuple[Any, Any], Decision]:
+        """The overrides in force, by ``(shape, routing)``."""
+        with self._lock:
+            return dict(self._overrides)
+
+    def alternatives(self, shape: Any, routing: Any = None, limit: int = 8) -> list[Decision]:
+        """Dispatchable decisions for the key, best first, one per distinct config.
+
+        The first is what ``resolve`` answers; the rest are the other verified entries that
+        the same rule admits (matching fingerprint, token count within the neighbourhood,
+        same or adjacent routing class), ranked by confidence, then recorded speedup.
+        Empty when the store has no confident answer (the caller uses FlagGems' choice).
+        """
+        first = self.resolve(shape, routing)
+        if first.config is None:
+            return []
+        with self._lock:
+            fam = self._family(shape.op, shape.dtype, shape.family)
+            assert fam is not None
+            routing_class = self._routing_class(routing)
+            span = math.log2(self.options.neighbour_ratio) or 1.0
+            near = {routing_class: CONFIDENCE_EXACT}
+            near.update((c, CONFIDENCE_ADJACENT_ROUTING) for c in ADJACENT_CLASSES[routing_class])
+            ranked: dict[str, tuple[float, float, int, DispatchRow]] = {}
+            for r in fam.rows:
+                base = near.get(r.routing_class)
+                if base is None or r.status != "verified" or r.config_hash == first.config.hash:
+                    continue
+                ratio = max(r.tokens, shape.tokens) / min(r.tokens, shape.tokens)
+                if ratio > self.options.neighbour_ratio or not self._fingerprint_ok(
+                    r.fingerprint_hash
+                ):
+                    continue
+                conf = base
+                if ratio != 1.0:
+                    conf *= CONFIDENCE_NEIGHBOUR_TOKENS * (1.0 - 0.5 * math.log2(ratio) / span)
+                cand = (round(conf, 4), r.speedup or 0.0, r.id, r)
+                old = ranked.get(r.config_hash)
+                if old is None or cand[:3] > old[:3]:
+                    ranked[r.config_hash] = cand
+            out = [first]
+            for conf, _, _, r in sorted(ranked.values(), key=lambda c: c[:3], reverse=True):
+                if len(out) >= limit:
+                    break
+                config = self._configs.get(r.config_hash)
+                if config is None:
+                    assert self.store is not None
+                    config = KernelConfig.parse(json.loads(self.store.entry_config(r.id)))
+                    self._configs[r.config_hash] = config
+                same = r.routing_class == routing_class
+                if r.tokens == shape.tokens:
+                    reason = "exact_match" if same else "adjacent_routing"
+                else:
+                    reason = "neighbour_tokens" if same else "neighbour_tokens_adjacent_routing"
+                out.append(
+                    Decision(
+                        config=config,
+                        level=EXACT if reason == "exact_match" else NEIGHBOUR,
+                        confidence=conf,
+                        reason=reason,
+                        entry_id=r.id,
+                        tokens=r.tokens,
+                        routing_class=r.routing_class,
+                    )
+                )
+            return out
 
     # -- slow path --------------------------------------------------------------------
 

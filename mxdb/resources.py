@@ -30,8 +30,19 @@ bound.
 Registers.  The fp32 accumulator takes ``BLOCK_M * BLOCK_N / threads``
 registers per thread; ``acc + 0.75 * operand tile words per thread + 24``
 fitted the register counts of the same compiled configs (mean error about 11
-registers).  A config whose accumulator alone exceeds the per-thread register
-limit is rejected (it spills heavily); an estimate above the limit is a warning.
+registers).  An estimate above the per-thread limit is a warning (expect
+spills).  A config whose accumulator alone exceeds the limit is rejected, except
+on NVIDIA: there ptxas spills to local memory instead of failing, and every such
+config of the vLLM grid compiled on an H200 under Triton 3.6.0 (255 registers,
+158 to 796 spilled), so it is a warning there too.
+
+Known compiler failures.  Some configs fit the device and still fail to
+compile.  ``KNOWN_COMPILE_FAILURES`` lists the ones measured, each scoped to
+the Triton release, architecture, dtype and GEMM it was measured on, and the
+proxy rejects a config that matches one (``ResourceEstimate.known_failure``
+names the rule).  The rules apply when the caller names that Triton release
+(``triton="3.6.0"``) or names none (the built-in H200 profile was measured on
+Triton 3.6.0); a caller that names another release skips them.
 """
 
 from __future__ import annotations
@@ -57,6 +68,70 @@ REG_OPERAND_WEIGHT = 0.75
 FLAGGEMS_CHUNK_SIZE = 16 * 1024
 
 
+class KnownCompileFailure(BaseModel):
+    """A measured compiler failure of configs that fit the device, and where it was measured."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    id: str
+    triton: str  # major.minor of the Triton release that failed
+    arch: str
+    dtypes: tuple[str, ...]
+    gemm_index: int
+    block_m: int
+    num_warps: int
+    block_nk: tuple[tuple[int, int], ...]  # (BLOCK_N, BLOCK_K) pairs that failed
+    num_stages: tuple[int, ...]
+    error: str
+    evidence: str
+
+    def matches(
+        self,
+        gemm: GemmConfig,
+        *,
+        dtype: str,
+        profile: DeviceProfile,
+        gemm_index: int,
+        triton: str | None,
+    ) -> bool:
+        if triton is not None and _major_minor(triton) != self.triton:
+            return False
+        return (
+            profile.arch == self.arch
+            and dtype in self.dtypes
+            and gemm_index == self.gemm_index
+            and gemm.block_m == self.block_m
+            and gemm.num_warps == self.num_warps
+            and (gemm.block_n, gemm.block_k) in self.block_nk
+            and gemm.num_stages in self.num_stages
+        )
+
+
+def _major_minor(version: str) -> str:
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+#: Measured compiler failures (see ``KnownCompileFailure``); one entry per failure seen.
+KNOWN_COMPILE_FAILURES: tuple[KnownCompileFailure, ...] = (
+    KnownCompileFailure(
+        id="triton36-sm90-m256-w4-square",
+        triton="3.6",
+        arch="sm_90",
+        dtypes=("bf16",),
+        gemm_index=1,
+        block_m=256,
+        num_warps=4,
+        block_nk=((64, 64), (128, 128), (256, 256)),
+        num_stages=(2, 3, 4, 5),
+        error="MLIR pass failure 'operand #0 does not dominate this use' (PassManager::run "
+        "failed) in FlagGems 5.0.2's fused_moe_kernel",
+        evidence="evidence/h200-compile-survey: all 12 such compiles of vLLM's grid failed on "
+        "an H200 (Triton 3.6.0, bf16, GEMM1); every other BLOCK_M 256 / 4-warp config compiled "
+        "or ran out of shared memory",
+    ),
+)
+
+
 class ResourceEstimate(BaseModel):
     """What one GEMM of the fused-MoE layer needs under one config, and whether it fits."""
 
@@ -76,6 +151,7 @@ class ResourceEstimate(BaseModel):
     fits: bool
     reasons: list[str]
     warnings: list[str]
+    known_failure: str | None = None  # the id of a matched KNOWN_COMPILE_FAILURES rule
 
 
 class CheckResult(BaseModel):
@@ -122,14 +198,18 @@ def estimate(
     profile: DeviceProfile,
     gemm_index: int = 1,
     shape: MoEShape | None = None,
+    triton: str | None = None,
 ) -> ResourceEstimate:
     """Shared memory, registers and threads of one GEMM config on ``profile``.
 
-    ``shape`` (optional) only adds warnings about tiles larger than the GEMM.
+    ``shape`` (optional) only adds warnings about tiles larger than the GEMM.  ``triton``
+    (optional) is the Triton release the config will be compiled with: it selects the
+    ``KNOWN_COMPILE_FAILURES`` that apply (all of them when not given).
     """
     if gemm_index not in (1, 2):
         raise UsageError(f"gemm_index must be 1 or 2, got {gemm_index!r}")
-    nbytes = DTYPE_BYTES[canonical_dtype(dtype)]
+    dtype_name = canonical_dtype(dtype)
+    nbytes = DTYPE_BYTES[dtype_name]
     bm, bn, bk = gemm.block_m, gemm.block_n, gemm.block_k
     buffers = smem_buffers(gemm, profile)
     smem = (bm * bk + bk * bn) * nbytes * buffers
@@ -150,7 +230,13 @@ def estimate(
             f"{gemm.num_warps} warps x {profile.warp_size} = {threads} threads, above "
             f"{profile.max_threads_per_block} per block"
         )
-    if acc_regs > profile.regs_per_thread:
+    if acc_regs > profile.regs_per_thread and profile.vendor == "nvidia":
+        # measured: ptxas spills rather than failing (see the module docstring)
+        warnings.append(
+            f"the fp32 accumulator alone needs {acc_regs} registers per thread, above the "
+            f"limit of {profile.regs_per_thread}: compiles with heavy spills"
+        )
+    elif acc_regs > profile.regs_per_thread:
         reasons.append(
             f"the fp32 accumulator alone needs {acc_regs} registers per thread, above the "
             f"limit of {profile.regs_per_thread}"
@@ -167,6 +253,20 @@ def estimate(
     ]
     if small:
         reasons.append(f"tl.dot needs tiles of at least {MIN_DOT_DIM}; got {', '.join(small)}")
+    known = next(
+        (
+            rule
+            for rule in KNOWN_COMPILE_FAILURES
+            if rule.matches(
+                gemm, dtype=dtype_name, profile=profile, gemm_index=gemm_index, triton=triton
+            )
+        ),
+        None,
+    )
+    if known is not None:
+        reasons.append(
+            f"known Triton {known.triton} compile failure on {known.arch}: {known.error}"
+        )
     if shape is not None:
         n_dim, k_dim = _gemm_dims(shape, gemm_index)
         if bk > k_dim:
@@ -188,19 +288,25 @@ def estimate(
         fits=not reasons,
         reasons=reasons,
         warnings=warnings,
+        known_failure=known.id if known is not None else None,
     )
 
 
 def check(
-    config: KernelConfig | GemmConfig | Any, shape: MoEShape, profile: DeviceProfile
+    config: KernelConfig | GemmConfig | Any,
+    shape: MoEShape,
+    profile: DeviceProfile,
+    *,
+    triton: str | None = None,
 ) -> CheckResult:
     """Check both GEMMs of a layer config (any form ``KernelConfig.parse`` accepts)."""
     if isinstance(config, GemmConfig):
         kc = KernelConfig.uniform(config)
     else:
         kc = KernelConfig.parse(config)
-    g1 = estimate(kc.gemm1, dtype=shape.dtype, profile=profile, gemm_index=1, shape=shape)
-    g2 = estimate(kc.gemm2, dtype=shape.dtype, profile=profile, gemm_index=2, shape=shape)
+    kw: dict[str, Any] = {"dtype": shape.dtype, "profile": profile, "shape": shape}
+    g1 = estimate(kc.gemm1, gemm_index=1, triton=triton, **kw)
+    g2 = estimate(kc.gemm2, gemm_index=2, triton=triton, **kw)
     return CheckResult(
         profile=profile.name,
         shape=shape.to_dict(),

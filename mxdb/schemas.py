@@ -34,6 +34,7 @@ REGISTRY: dict[str, tuple[str, str, str]] = {
     "summary": ("mxdb.evidence.models:Summary", "1.0", "serialization"),
     "report": ("mxdb.evidence.models:Report", "1.0", "serialization"),
     "store-export": ("mxdb.interop.export:StoreExport", "1.0", "serialization"),
+    "compile-survey": ("mxdb.evidence.survey:CompileSurvey", "1.0", "serialization"),
 }
 
 #: The document name a file declares in its "schema" field -> registry name.
@@ -47,6 +48,7 @@ DOCUMENT_NAMES: dict[str, str] = {
     "mxdb.summary": "summary",
     "mxdb.report": "report",
     "mxdb.store-export": "store-export",
+    "mxdb.compile-survey": "compile-survey",
 }
 
 

@@ -73,7 +73,7 @@ def store_info(db: str | None) -> dict[str, Any]:
         return {
             "url": store.url,
             "dialect": store.dialect,
-            "revision": store.get_meta("schema_revision") or "unknown",
+            "revision": store.revision(),
             "generation": store.generation(),
             "entries": len(entries),
             "entries_by_status": by_status,

@@ -107,9 +107,14 @@ def test_flaggems_heuristic_branches() -> None:
 
 
 def test_register_limits_and_threads() -> None:
+    # measured: this config compiled on an H200 (Triton 3.6.0) with 255 registers and 796
+    # spilled, so on NVIDIA the accumulator limit is a warning; the C500 keeps rejecting it
     huge = estimate(_gemm(256, 256, 64, 4, 2), dtype="bf16", profile=H200)
-    assert huge.acc_regs_per_thread == 512 and not huge.fits
-    assert any("accumulator alone" in r for r in huge.reasons)
+    assert huge.acc_regs_per_thread == 512 and huge.fits and not huge.reasons
+    assert any("accumulator alone" in w for w in huge.warnings)
+    huge_c500 = estimate(_gemm(256, 256, 64, 4, 1), dtype="bf16", profile=C500)
+    assert huge_c500.acc_regs_per_thread == 256 and not huge_c500.fits
+    assert any("accumulator alone" in r for r in huge_c500.reasons)
     wide = estimate(_gemm(16, 32, 64, 32, 2), dtype="bf16", profile=C500)
     assert wide.threads == 2048 and not wide.fits
     tiny = estimate(_gemm(8, 32, 64, 4, 2), dtype="bf16", profile=H200)
@@ -237,6 +242,32 @@ def test_smem_formula_matches_every_recorded_compile() -> None:
         gemm = _gemm(r["block_m"], r["block_n"], r["block_k"], r["num_warps"], r["num_stages"])
         est = estimate(gemm, dtype="bf16", profile=H200)
         assert est.smem_bytes == r["shared"], r
-        assert est.fits is not r["out_of_resources"] or est.acc_regs_per_thread > 255, r
+        assert est.fits is not r["out_of_resources"], r
         if r["wgmma"] is not None:
             assert uses_wgmma(gemm, H200) is r["wgmma"], r
+
+
+@pytest.mark.parametrize("nk", [64, 128, 256])
+@pytest.mark.parametrize("stages", [2, 3, 4, 5])
+def test_known_triton36_compile_failure_is_rejected(nk: int, stages: int) -> None:
+    # measured on an H200 (Triton 3.6.0, bf16, GEMM1): BLOCK_M 256, 4 warps, BLOCK_N == BLOCK_K
+    gemm = _gemm(256, nk, nk, 4, stages)
+    est = estimate(gemm, dtype="bf16", profile=H200)
+    assert not est.fits and est.known_failure == "triton36-sm90-m256-w4-square"
+    assert any("does not dominate" in r for r in est.reasons)
+    assert estimate(gemm, dtype="bf16", profile=H200, triton="3.6.0").known_failure is not None
+
+
+def test_known_compile_failure_stays_in_its_measured_scope() -> None:
+    failing = _gemm(256, 64, 64, 4, 2)
+    # another Triton release, another GEMM, dtype or architecture: not measured, not rejected
+    assert estimate(failing, dtype="bf16", profile=H200, triton="3.5.1").fits
+    assert estimate(failing, dtype="bf16", profile=H200, gemm_index=2).fits
+    assert estimate(failing, dtype="fp16", profile=H200).fits
+    assert estimate(failing, dtype="bf16", profile=get_profile("a100")).known_failure is None
+    # neighbours in the grid that compiled on the H200
+    for gemm in (_gemm(256, 64, 64, 8, 2), _gemm(256, 128, 64, 4, 2), _gemm(256, 32, 64, 4, 2)):
+        est = estimate(gemm, dtype="bf16", profile=H200, triton="3.6.0")
+        assert est.fits and est.known_failure is None, gemm
+    layer = check(failing, MoEShape(8, 4096, 14336, 2, 64, "bf16"), H200, triton="3.6.0")
+    assert not layer.fits and layer.gemm1.known_failure and layer.gemm2.known_failure is None

@@ -310,6 +310,13 @@ class _BundleAudit:
                     "fingerprint hash is not the hash of its components",
                 )
 
+        if "survey.json" in contents:
+            survey = self.parse("survey.json", contents["survey.json"], "mxdb.compile-survey")
+            if survey is not None:
+                from mxdb.audit.survey import check_survey
+
+                check_survey(self, "survey.json", survey)
+
         traces: dict[str, dict[str, Any]] = {}
         for rel in sorted(r for r in contents if r.startswith("traces/")):
             doc = self.parse(rel, contents[rel], "mxdb.trace")

@@ -35,6 +35,7 @@ KNOWN_VERSIONS: dict[str, tuple[str, ...]] = {
     "mxdb.report": ("1.0",),
     "mxdb.signature": ("1.0",),
     "mxdb.store-export": ("1.0",),
+    "mxdb.compile-survey": ("1.0",),
 }
 
 RunRole = Literal["baseline", "candidate", "control", "peer"]

@@ -277,6 +277,13 @@ class Store:
             )
         return int(rows[0][0])
 
+    def revision(self) -> str:
+        """The schema revision stamped in the database (Alembic), e.g. ``"0003"``."""
+        from mxdb.store.migrate import current_revisions
+
+        with self._read("reading the schema revision") as conn:
+            return ", ".join(current_revisions(conn)) or "none"
+
     def get_meta(self, key: str) -> str | None:
         with self._read("reading meta") as conn:
             value = conn.execute(select(meta_t.c.value).where(meta_t.c.key == key)).scalar()

@@ -288,7 +288,9 @@ def measure_point(
     if deadline is not None:
         left = max(0.0, deadline - time.time())
         pending = sum(1 for p in store.points(job) if p.state != "done")
-        budget_s = left / max(1, pending)
+        # the pending points are shared by every worker of the job, measuring in parallel
+        workers = max(1, int(os.environ.get("MXDB_TUNE_WORKERS", "1") or 1))
+        budget_s = left * min(workers, max(1, pending)) / max(1, pending)
     clock = getattr(backend, "clock", None) if budget_s is None else None
     result: SearchResult = search(
         backend, pin, options, space=space, budget_s=budget_s, clock=clock or time.monotonic
@@ -314,9 +316,15 @@ def _child(
     device: int,
     deadline: float | None,
     lease_s: float,
+    workers: int = 1,
 ) -> None:
     # before anything imports torch: this process sees exactly one GPU
     os.environ["CUDA_VISIBLE_DEVICES"] = str(device)
+    # the host's cores are shared by every worker's compile pool
+    os.environ["MXDB_TUNE_WORKERS"] = str(workers)
+    os.environ.setdefault(
+        "MXDB_COMPILE_WORKERS", str(max(2, (os.cpu_count() or 2) // max(1, workers) - 1))
+    )
     try:
         backend = factory()
         with Store.open(url) as store:
@@ -351,7 +359,7 @@ def _run_processes(
     procs = [
         ctx.Process(
             target=_child,
-            args=(job, url, options, fingerprint_hash, factory, d, deadline, lease_s),
+            args=(job, url, options, fingerprint_hash, factory, d, deadline, lease_s, len(devices)),
             name=f"mxdb-tune-gpu{d}",
         )
         for d in devices

@@ -1,0 +1,188 @@
+"""The lean MoE layer's eager cost on one GPU: eager calls against graph replay and FlagGems.
+
+Usage (GPU host): python benchmarks/lean_layer.py OUT.json [--store-export EXPORT.json]
+
+For Mixtral-8x7B and Qwen3-30B-A3B (bf16, uniform routing) at M in {1, 2, 4, 8, 16, 64, 256},
+with the config mxdb dispatches (FlagGems' own choice where the store has none), interleaved:
+
+* ``graph``: CUDA-graph replay of ``MoELayer`` calls (GPU time, no host cost);
+* ``eager`` (back-to-back): N plain calls between two events, no host synchronization, divided
+  by N: what an eager decode loop pays per layer call (the GPU waits for the host when the host
+  is slower).  Both ``MoELayer`` and FlagGems' ``fused_experts_impl`` (its whole call: config
+  lookup, allocation, logging, launches);
+* ``synced`` (per call): host clock around one call followed by ``torch.cuda.synchronize()``
+  (do_bench-like; includes the launch latency and the synchronization);
+* ``host``: host time to issue one call (``perf_counter_ns``, no synchronization) for the layer,
+  the unrecorded pipeline (FlagGems' launch path) and ``fused_experts_impl``.
+"""
+
+# ruff: noqa: B023  (the timed lambdas run before their loop variables change)
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+TOKENS = (1, 2, 4, 8, 16, 64, 256)
+
+
+def atomic_json(path: Path, doc: Any) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(doc, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def synced(torch: Any, fn: Any, n: int) -> list[float]:
+    out = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter_ns()
+        fn()
+        torch.cuda.synchronize()
+        out.append((time.perf_counter_ns() - t0) / 1000)
+    return out
+
+
+def host(torch: Any, fn: Any, n: int) -> float:
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter_ns()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter_ns() - t0) / n / 1000)
+        torch.cuda.synchronize()
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out", type=Path)
+    ap.add_argument("--store-export", default="evidence/store-export.json")
+    a = ap.parse_args()
+    import flag_gems.fused.fused_moe as fm
+    import torch
+    from mxdb.kernels.layer import MoELayer, flaggems_kernel_config
+    from mxdb.kernels.live import live_fingerprint_components
+    from mxdb.kernels.pipeline import MoEPipeline
+    from mxdb.kernels.reference import compare, make_inputs, moe_reference
+    from mxdb.kernels.timing import time_interleaved
+
+    from mxdb.dispatcher import Dispatcher, DispatchOptions
+    from mxdb.shapes import preset_shape
+
+    dispatcher = None
+    if Path(a.store_export).exists():
+        from mxdb.interop.export import import_export, read_export
+        from mxdb.store import Store
+
+        exp = read_export(a.store_export)
+        store = Store.open(f"sqlite:///{tempfile.mkdtemp()}/lean.sqlite")
+        import_export(store, a.store_export)
+        fps = list(exp.fingerprints.values())
+        dispatcher = Dispatcher(store, fps[0] if fps else None, DispatchOptions(policy="strict"))
+    doc: dict[str, Any] = {"fingerprint": live_fingerprint_components(), "points": []}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    for preset in ("mixtral-8x7b", "qwen3-30b-a3b"):
+        fam = preset_shape(preset, 1, "bf16")
+        inp = make_inputs(fam.with_tokens(1), 0, device="cuda")
+        w1, w2 = inp.w1, inp.w2
+
+        def config_for(m: int, fam: Any = fam) -> Any:
+            if dispatcher is None:
+                return None
+            return dispatcher.dispatch(fam.with_tokens(m), "uniform").config
+
+        layer = MoELayer(w1, w2, fam.topk, config_for)
+        graphed = MoELayer(w1, w2, fam.topk, config_for, graphs=True)
+        for m in TOKENS:
+            try:
+                shape = fam.with_tokens(m)
+                i2 = make_inputs(shape, m, device="cuda")
+                x, tw, ids = i2.x, i2.topk_weights, i2.topk_ids
+                del i2
+                ref = moe_reference(x, w1, w2, tw, ids)
+                out = layer(x, tw, ids).clone()
+                graphed(x, tw, ids)
+                graphed(x, tw, ids)
+                fg = fm.fused_experts_impl(x, w1, w2, tw, ids)
+                cfg = layer.configs[m]
+                same_as_fg = cfg == flaggems_kernel_config(shape)
+                pipe = MoEPipeline(shape, cfg, w1, w2)
+                fns = [
+                    lambda: layer(x, tw, ids),
+                    lambda: fm.fused_experts_impl(x, w1, w2, tw, ids),
+                    lambda: graphed(x, tw, ids),
+                    lambda: pipe(x, tw, ids),
+                ]
+                g = time_interleaved(fns[:1], reps=30, method="graph", calls_per_sample=8)
+                e = time_interleaved(fns, reps=30, method="eager", calls_per_sample=8)
+                rc = compare(out, ref, "bf16")
+                doc["points"].append(
+                    {
+                        "family": preset,
+                        "tokens": m,
+                        "config": cfg.model_dump(),
+                        "config_is_flaggems": same_as_fg,
+                        "launches": layer.launches(m),
+                        "record_error": layer.record_errors.get(m),
+                        "correct": [rc.max_abs_err, rc.rel_err, rc.passed],
+                        "identical_to_fused_experts_impl": bool(torch.equal(out, fg))
+                        if same_as_fg
+                        else None,
+                        "graph_us": g[0],
+                        "eager_us": {
+                            "layer": e[0],
+                            "fused_experts_impl": e[1],
+                            "layer_graphs": e[2],
+                            "pipeline": e[3],
+                        },
+                        "synced_us": {
+                            "layer": synced(torch, fns[0], 30),
+                            "fused_experts_impl": synced(torch, fns[1], 30),
+                            "layer_graphs": synced(torch, fns[2], 30),
+                        },
+                        "host_us": {
+                            "layer": host(torch, fns[0], 50),
+                            "fused_experts_impl": host(torch, fns[1], 50),
+                            "layer_graphs": host(torch, fns[2], 50),
+                            "pipeline": host(torch, fns[3], 50),
+                        },
+                    }
+                )
+                p = doc["points"][-1]
+                med = sorted(p["eager_us"]["layer"])[15]
+                print(f"{preset} M={m}: graph {sorted(g[0])[15]:.1f} eager {med:.1f}", flush=True)
+            except Exception as exc:
+                doc.setdefault("errors", []).append(f"{preset} M={m}: {type(exc).__name__}: {exc}")
+            atomic_json(a.out, doc)
+        # where the host time goes: one profiled call sequence of the layer at M=4
+        try:
+            from torch.profiler import ProfilerActivity, profile
+
+            i4 = make_inputs(fam.with_tokens(4), 4, device="cuda")
+            layer(i4.x, i4.topk_weights, i4.topk_ids)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                for _ in range(20):
+                    layer(i4.x, i4.topk_weights, i4.topk_ids)
+                    fm.fused_experts_impl(i4.x, w1, w2, i4.topk_weights, i4.topk_ids)
+                torch.cuda.synchronize()
+            doc.setdefault("profile", {})[preset] = prof.key_averages().table(
+                sort_by="cpu_time_total", row_limit=25
+            )
+        except Exception as exc:
+            doc.setdefault("errors", []).append(f"profile {preset}: {exc}")
+        atomic_json(a.out, doc)
+        layer = graphed = w1 = w2 = inp = None  # free the weights before the next family
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,436 @@
+"""Side by side on one GPU: FlagGems' config, vLLM's H200 table and mxdb's dispatch.
+
+Usage (GPU host):  python benchmarks/peers.py run OUT.json --store-export EXPORT.json
+                   [--vllm-dir DIR] [--deadline-s S]
+Usage (anywhere):  python benchmarks/peers.py publish OUT.json evidence/h200-peers
+
+``run``: for Mixtral-8x7B and Qwen3-30B-A3B (bf16), M in 1..4096 and uniform / Zipf / hot-expert
+routing, times per point, interleaved in one process (A B C ... A B C ...):
+
+(a) FlagGems 5.0.2's own config (``try_get_optimal_moe_config``);
+(b) vLLM 0.33.0's shipped H200 table through the same kernel (nearest M, same config both GEMMs);
+(c) the config mxdb dispatches from the tuned store (imported into a temporary store; the
+    dispatcher uses the export's recorded fingerprint), for the point's routing class;
+(d) mxdb's routing-oblivious choice (what it dispatches for uniform routing), when it differs;
+a same-config control pair of (c).  GPU time = CUDA-graph replay of the whole layer.  Eager time =
+back-to-back plain calls between events: FlagGems' ``fused_experts_impl`` for (a) against mxdb's
+lean ``MoELayer`` for (c).  The memory-bound floor uses the device-to-device copy bandwidth
+measured in the same run.  Also the dispatch cost: ``mxdb`` dispatch hit against FlagGems'
+``try_get_optimal_moe_config``.  The JSON is rewritten after every point.
+
+``publish``: writes an evidence bundle (runs with raw samples, summary, report) from OUT.json.
+"""
+
+# ruff: noqa: B023  (the timed lambdas run before their loop variables change)
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+FAMILIES = {"mixtral-8x7b": "E=8,N=14336", "qwen3-30b-a3b": "E=128,N=768"}
+TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+ROUTINGS = {"uniform": {}, "zipf": {"s": 1.2}, "hot": {"fraction": 0.5, "hot_expert": 0}}
+
+
+def atomic_json(path: Path, doc: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(doc, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def vllm_config(table: dict[str, Any], tokens: int) -> Any:
+    from mxdb.configs import GemmConfig, KernelConfig
+
+    keys = sorted(int(k) for k in table if k.isdigit())
+    near = min(keys, key=lambda k: (abs(k - tokens), k))
+    raw = {k: v for k, v in table[str(near)].items() if k != "SWAP_AB"}
+    return KernelConfig.uniform(GemmConfig.from_triton(raw))
+
+
+def bandwidth(torch: Any) -> float:
+    """Device-to-device copy bandwidth (read + write bytes per second), median of 20."""
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    times = []
+    for _ in range(20):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1000)
+    times.sort()
+    del a, b
+    return 2 * n / times[len(times) // 2]
+
+
+def dispatch_cost(dispatcher: Any, shape: Any) -> dict[str, float]:
+    from mxdb.kernels.backend import flaggems_config
+
+    dispatcher.dispatch(shape, "uniform")
+    n = 200_000
+    t0 = time.perf_counter_ns()
+    for _ in range(n):
+        dispatcher.dispatch(shape, "uniform")
+    mx = (time.perf_counter_ns() - t0) / n / 1000
+    flaggems_config(shape)
+    n2 = 2000
+    t0 = time.perf_counter_ns()
+    for _ in range(n2):
+        flaggems_config(shape)
+    fg = (time.perf_counter_ns() - t0) / n2 / 1000
+    return {"mxdb_dispatch_hit_us": mx, "flaggems_lookup_us": fg}
+
+
+def run(a: argparse.Namespace) -> None:
+    import flag_gems.fused.fused_moe as fm
+    import numpy as np
+    import torch
+    from mxdb.kernels.backend import GpuBackend
+    from mxdb.kernels.compile import specs_for
+    from mxdb.kernels.layer import MoELayer, flaggems_kernel_config
+    from mxdb.kernels.pipeline import MoEPipeline
+    from mxdb.kernels.reference import compare, make_activations, make_weights, moe_reference
+    from mxdb.kernels.timing import time_interleaved
+
+    from mxdb.dispatcher import Dispatcher, DispatchOptions
+    from mxdb.interop.export import import_export, read_export
+    from mxdb.routing import classify, features
+    from mxdb.routing_gen import generate
+    from mxdb.shapes import preset_shape
+    from mxdb.store import Store
+
+    t_start = time.monotonic()
+    backend = GpuBackend()
+    doc: dict[str, Any] = {
+        "fingerprint": backend.fingerprint().components(),
+        "points": [],
+        "errors": [],
+    }
+    doc["bandwidth_bytes_per_s"] = bandwidth(torch)
+    dispatcher = None
+    if a.store_export and Path(a.store_export).exists():
+        exp = read_export(a.store_export)
+        tmp = tempfile.mkdtemp()
+        store = Store.open(f"sqlite:///{tmp}/peers.sqlite")
+        doc["import"] = import_export(store, a.store_export)
+        fps = list(exp.fingerprints.values())
+        doc["store_fingerprints"] = [fp.components() for fp in fps]
+        fp = fps[0] if fps else None
+        dispatcher = Dispatcher(store, fp, DispatchOptions(policy="strict"))
+    out = Path(a.out)
+    atomic_json(out, doc)
+    for preset, tag in FAMILIES.items():
+        table = json.loads((Path(a.vllm_dir) / f"{tag},device_name=NVIDIA_H200.json").read_text())
+        fam = preset_shape(preset, 1, "bf16")
+        w1, w2 = make_weights(fam, 0, "cuda")
+        if dispatcher is not None:
+            doc.setdefault("dispatch_cost", {})[preset] = dispatch_cost(
+                dispatcher, fam.with_tokens(4)
+            )
+        plan: list[tuple[int, str, Any, dict[str, Any]]] = []
+        specs = []
+        for m in TOKENS:
+            shape = fam.with_tokens(m)
+            for kind, params in ROUTINGS.items():
+                ids = generate(kind, m, fam.experts, fam.topk, seed=m, **params)
+                rclass = classify(features(ids, fam.experts))
+                cfgs: dict[str, Any] = {
+                    "a": flaggems_kernel_config(shape),
+                    "b": vllm_config(table, m),
+                }
+                reasons = {}
+                if dispatcher is not None:
+                    dc = dispatcher.dispatch(shape, rclass)
+                    du = dispatcher.dispatch(shape, "uniform")
+                    reasons = {"c": dc.reason, "d": du.reason}
+                    cfgs["c"] = dc.config if dc.config is not None else cfgs["a"]
+                    cfgs["d"] = du.config if du.config is not None else cfgs["a"]
+                plan.append((m, kind, ids, {"cfgs": cfgs, "rclass": rclass, "reasons": reasons}))
+                for c in {c.hash: c for c in cfgs.values()}.values():
+                    specs.extend(specs_for(shape, c))
+        t0 = time.monotonic()
+        backend.compile_raw(specs)
+        doc.setdefault("compile_s", {})[preset] = time.monotonic() - t0
+        layers: dict[str, Any] = {}
+        for m, kind, ids_np, info in plan:
+            if time.monotonic() - t_start > a.deadline_s:
+                doc["errors"].append(f"deadline: skipped {preset} M={m} {kind} and later")
+                break
+            try:
+                shape = fam.with_tokens(m)
+                ids_t = torch.from_numpy(np.ascontiguousarray(ids_np, dtype=np.int32)).cuda()
+                x, tw, ids = make_activations(shape, m, ids_t, "cuda")
+                ref = moe_reference(x, w1, w2, tw, ids)
+                cfgs = info["cfgs"]
+                names = list(cfgs)
+                if "d" in cfgs and cfgs["d"].hash == cfgs["c"].hash:
+                    names.remove("d")
+                pipes = {n: MoEPipeline(shape, cfgs[n], w1, w2) for n in names}
+                if "c" in cfgs:
+                    pipes["ctl1"] = MoEPipeline(shape, cfgs["c"], w1, w2)
+                    pipes["ctl2"] = MoEPipeline(shape, cfgs["c"], w1, w2)
+                corr = {}
+                for n, p in pipes.items():
+                    r = compare(p(x, tw, ids).clone(), ref, "bf16")
+                    corr[n] = [r.max_abs_err, r.rel_err, r.passed]
+                big = m >= 512
+                reps, cps = (7, 2) if big else (15, 4)
+                order = list(pipes)
+                g = time_interleaved(
+                    [lambda p=pipes[n]: p(x, tw, ids) for n in order],
+                    reps=reps, method="graph", calls_per_sample=cps, warmup=2,
+                )  # fmt: skip
+                graph = dict(zip(order, g, strict=True))
+                eager: dict[str, list[float]] = {}
+                if "c" in cfgs:
+                    key = cfgs["c"].hash
+                    lay = layers.get(key)
+                    if lay is None:
+                        lay = layers[key] = MoELayer(w1, w2, fam.topk, lambda _m, c=cfgs["c"]: c)
+                    e = time_interleaved(
+                        [
+                            lambda: fm.fused_experts_impl(x, w1, w2, tw, ids),
+                            lambda: lay(x, tw, ids),
+                        ],
+                        reps=reps, method="eager", calls_per_sample=cps, warmup=2,
+                    )  # fmt: skip
+                    eager = {"a": e[0], "c": e[1]}
+                doc["points"].append(
+                    {
+                        "family": preset,
+                        "tokens": m,
+                        "routing": kind,
+                        "routing_params": ROUTINGS[kind],
+                        "seed": m,
+                        "routing_class": info["rclass"],
+                        "ids": ids_np.tolist(),
+                        "configs": {n: cfgs[n].model_dump() for n in cfgs},
+                        "reasons": info["reasons"],
+                        "correctness": corr,
+                        "graph_us": graph,
+                        "eager_us": eager,
+                        "reps": reps,
+                        "calls_per_sample": cps,
+                    }
+                )
+                del pipes
+            except Exception as exc:  # keep going: failures are results
+                doc["errors"].append(f"{preset} M={m} {kind}: {type(exc).__name__}: {exc}"[:500])
+            atomic_json(out, doc)
+            print(f"{preset} M={m} {kind} done at {time.monotonic() - t_start:.0f}s", flush=True)
+        w1 = w2 = None
+        layers.clear()
+        torch.cuda.empty_cache()
+    doc["wall_s"] = time.monotonic() - t_start
+    atomic_json(out, doc)
+    backend.close()
+
+
+SHORT = {"mixtral-8x7b": "mixtral", "qwen3-30b-a3b": "qwen3"}
+ROLE = {"a": "baseline", "b": "peer", "c": "candidate", "d": "candidate"}
+
+
+def figures(raw: dict[str, Any]) -> dict[str, Any]:
+    """Every claimed figure, recomputed from the raw samples (medians of the samples)."""
+    from mxdb.evidence import stats
+    from mxdb.shapes import preset_shape
+
+    bw = raw["bandwidth_bytes_per_s"]
+    rows = []
+    for p in raw["points"]:
+        shape = preset_shape(p["family"], p["tokens"], "bf16")
+        med = {n: stats.median(v) for n, v in p["graph_us"].items()}
+        emed = {n: stats.median(v) for n, v in p["eager_us"].items()}
+        active = len({x for r in p["ids"] for x in r})
+        floor = active * 3 * shape.hidden * shape.intermediate * 2 / bw * 1e6
+        noise = stats.pair_noise(med["ctl1"], med["ctl2"]) if "ctl1" in med else None
+        c = med.get("c")
+        d = med.get("d", c)
+        winner_cfg = min((m, n) for n, m in med.items() if n in ROLE)[1]
+        row = {
+            "family": p["family"],
+            "tokens": p["tokens"],
+            "routing": p["routing"],
+            "routing_class": p["routing_class"],
+            "median_us": med,
+            "noise_band": noise,
+            "floor_us": floor,
+            "winner": winner_cfg,
+        }
+        if c is not None:
+            row["speedup_c_over_a"] = med["a"] / c
+            row["speedup_c_over_b"] = med["b"] / c
+            row["speedup_c_over_d"] = d / c if d else None
+            row["c_differs_from_d"] = "d" in med
+            row["floor_fraction_c"] = floor / c
+            row["floor_fraction_a"] = floor / med["a"]
+            row["floor_fraction_b"] = floor / med["b"]
+            tol = 1 + (noise or 0.0)
+            row["c_slower_than_a"] = c > med["a"] * tol
+            row["c_slower_than_b"] = c > med["b"] * tol
+        if emed:
+            row["eager_median_us"] = emed
+            row["eager_speedup_layer_over_fused_experts_impl"] = emed["a"] / emed["c"]
+            row["eager_over_graph_layer"] = emed["c"] / c if c else None
+        rows.append(row)
+
+    def gm(key: str, pred: Any = lambda r: True) -> float | None:
+        return stats.geomean(r[key] for r in rows if r.get(key) and pred(r))
+
+    decode = lambda r: r["tokens"] <= 16  # noqa: E731
+    return {
+        "bandwidth_bytes_per_s": bw,
+        "points": rows,
+        "geomean_speedup_c_over_a": gm("speedup_c_over_a"),
+        "geomean_speedup_c_over_b": gm("speedup_c_over_b"),
+        "points_c_slower_than_a": sum(1 for r in rows if r.get("c_slower_than_a")),
+        "points_c_slower_than_b": sum(1 for r in rows if r.get("c_slower_than_b")),
+        "decode_geomean_floor_fraction_c": gm("floor_fraction_c", decode),
+        "decode_geomean_eager_speedup": gm("eager_speedup_layer_over_fused_experts_impl", decode),
+        "decode_geomean_eager_over_graph": gm("eager_over_graph_layer", decode),
+        "points_routing_changes_dispatch": sum(1 for r in rows if r.get("c_differs_from_d")),
+        "geomean_c_over_d_where_changed": gm("speedup_c_over_d", lambda r: r["c_differs_from_d"]),
+        "points": rows,
+        "n_points": len(rows),
+        "dispatch_cost": raw.get("dispatch_cost"),
+        "errors": raw.get("errors", []),
+    }
+
+
+def publish(raw_path: Path, bundle: Path) -> None:
+    """Write the evidence bundle (runs, summary, report, figures and plots) from the raw JSON."""
+    from mxdb.evidence.writer import BundleWriter, write_manifest
+    from mxdb.fileio import atomic_write_json, atomic_write_text
+    from mxdb.models import Fingerprint
+    from mxdb.shapes import preset_shape
+
+    raw = json.loads(raw_path.read_text())
+    fp = Fingerprint(**raw["fingerprint"])
+    w = BundleWriter(bundle, milestone="h200-peers", fingerprint=fp, bundle_id=bundle.name)
+    for p in raw["points"]:
+        shape = preset_shape(p["family"], p["tokens"], "bf16")
+        th = w.add_trace(
+            p["ids"],
+            experts=shape.experts,
+            generator={"kind": p["routing"], "seed": p["seed"], "params": p["routing_params"]},
+        )
+        base = f"{SHORT[p['family']]}-m{p['tokens']}-{p['routing']}"
+        for n, samples in p["graph_us"].items():
+            key = "c" if n.startswith("ctl") else n
+            err, rel, ok = p["correctness"][n]
+            role = "control" if n.startswith("ctl") else ROLE[n]
+            w.record(
+                run_id=f"{base}-{n}",
+                shape=shape,
+                routing_class=p["routing"],
+                config=p["configs"][key],
+                role=role,
+                status="ok" if ok or role == "baseline" else "wrong",
+                trace_hash=th,
+                seed=p["seed"],
+                samples_us=samples,
+                eager_samples_us=p["eager_us"].get(n),
+                max_abs_err=err,
+                rel_err=rel,
+                pair_id=f"{base}-ctl" if role == "control" else None,
+            )
+    w.finish(bandwidth_bytes_per_s=raw["bandwidth_bytes_per_s"])
+    figs = figures(raw)
+    atomic_write_json(bundle / "report" / "peers.json", figs)
+    atomic_write_text(bundle / "report" / "peers.md", render(figs))
+    plots(figs, bundle / "report")
+    write_manifest(bundle, bundle_id=w.bundle_id, milestone="h200-peers")
+
+
+def render(f: dict[str, Any]) -> str:
+    def x(v: Any) -> str:
+        return "-" if v is None else f"{v:.3f}"
+
+    lines = [
+        "# FlagGems (a), vLLM table (b), mxdb dispatch (c), routing-oblivious mxdb (d) on the H200",
+        "",
+        f"- GPU-time geomean speedup (c)/(a): {x(f['geomean_speedup_c_over_a'])}; "
+        f"(c)/(b): {x(f['geomean_speedup_c_over_b'])}",
+        f"- points where (c) is slower than (a) / (b) beyond the control pair's noise: "
+        f"{f['points_c_slower_than_a']} / {f['points_c_slower_than_b']} of {f['n_points']}",
+        f"- decode (M <= 16): (c) at {x(f['decode_geomean_floor_fraction_c'])} of the floor "
+        f"(geomean); eager layer {x(f['decode_geomean_eager_speedup'])}x faster than "
+        f"fused_experts_impl; eager/graph {x(f['decode_geomean_eager_over_graph'])}",
+        f"- points where routing changes mxdb's dispatch: {f['points_routing_changes_dispatch']}; "
+        f"geomean (d)/(c) there: {x(f['geomean_c_over_d_where_changed'])}",
+        "",
+        "| family | M | routing | a us | b us | c us | c/a | c/b | floor frac c | noise | "
+        "eager fg/layer | eager/graph |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in f["points"]:
+        m = r["median_us"]
+        lines.append(
+            f"| {r['family']} | {r['tokens']} | {r['routing']} | {x(m.get('a'))} | "
+            f"{x(m.get('b'))} | {x(m.get('c'))} | {x(r.get('speedup_c_over_a'))} | "
+            f"{x(r.get('speedup_c_over_b'))} | {x(r.get('floor_fraction_c'))} | "
+            f"{x(r.get('noise_band'))} | "
+            f"{x(r.get('eager_speedup_layer_over_fused_experts_impl'))} | "
+            f"{x(r.get('eager_over_graph_layer'))} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plots(f: dict[str, Any], out: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    for fam in FAMILIES:
+        fig, axes = plt.subplots(1, 3, figsize=(15, 4), sharey=True)
+        for ax, routing in zip(axes, ROUTINGS, strict=True):
+            rows = [r for r in f["points"] if r["family"] == fam and r["routing"] == routing]
+            ms = [r["tokens"] for r in rows]
+            for n, lab in (("a", "FlagGems"), ("b", "vLLM table"), ("c", "mxdb")):
+                ax.plot(ms, [r["floor_us"] / r["median_us"][n] for r in rows], "o-", label=lab)
+            ax.set_xscale("log", base=2)
+            ax.set_title(f"{fam} {routing}")
+            ax.set_xlabel("tokens M")
+        axes[0].set_ylabel("fraction of memory-bound floor (GPU time)")
+        axes[0].legend()
+        fig.tight_layout()
+        fig.savefig(out / f"floor-{SHORT[fam]}.png", dpi=80)
+        plt.close(fig)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("out")
+    r.add_argument("--store-export", default="evidence/store-export.json")
+    r.add_argument("--vllm-dir", default=".dev/carry/vllm")
+    r.add_argument("--deadline-s", type=float, default=300.0)
+    p = sub.add_parser("publish")
+    p.add_argument("raw", type=Path)
+    p.add_argument("bundle", type=Path)
+    a = ap.parse_args()
+    if a.cmd == "run":
+        run(a)
+    else:
+        publish(a.raw, a.bundle)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""CLI commands for drift governance: ``mxdb drift check`` and ``mxdb drift guard``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+
+from mxdb.cli.app import cli, db_option, emit_json, handle_errors, json_option
+
+_POLICY = click.option(
+    "--policy",
+    type=click.Choice(["strict", "device"]),
+    default="strict",
+    show_default=True,
+    help="Fingerprint match policy, as the dispatcher's: strict (every component) or device.",
+)
+
+
+@cli.group("drift")
+def drift_group() -> None:
+    """Find entries made stale by an environment change, and guard against performance drift."""
+
+
+@drift_group.command("check")
+@db_option
+@click.option(
+    "--fingerprint",
+    "fingerprint_file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Current fingerprint JSON (mxdb fingerprint --json); default: this environment.",
+)
+@click.option(
+    "--out",
+    "out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    metavar="WORKLOAD.yaml",
+    help="Write a re-tune workload for the affected shapes, tokens, dtypes and routings.",
+)
+@_POLICY
+@click.option("--dry-run", is_flag=True, help="List what would go stale without marking it.")
+@json_option
+@handle_errors
+def drift_check_cmd(
+    db: str | None,
+    fingerprint_file: Path | None,
+    out: Path | None,
+    policy: str,
+    dry_run: bool,
+    as_json: bool,
+) -> None:
+    """Mark entries of changed environments stale and list them by changed component.
+
+    Exit 0 when nothing drifted, 1 when entries were (or, with --dry-run, would be) marked.
+    """
+    from mxdb.runtime.drift import run_check
+
+    report = run_check(db, fingerprint_file, policy=policy, mark=not dry_run, workload_out=out)
+    if as_json:
+        emit_json(report)
+    else:
+        _print_check(report, dry_run)
+    if report["would_mark"]:
+        sys.exit(1)
+
+
+def _print_check(report: dict[str, Any], dry_run: bool) -> None:
+    click.echo(f"current fingerprint {report['fingerprint']} (policy {report['policy']})")
+    if not report["drifted"]:
+        click.echo("no drift: every stored fingerprint matches")
+    for d in report["drifted"]:
+        click.echo(f"fingerprint {d['fingerprint_hash']}: {len(d['entries'])} verified entries")
+        for c in d["changes"]:
+            tag = "breaks" if c["component"] in d["breaking"] else "tolerated"
+            click.echo(f"  {c['component']}: {c['old']} -> {c['new']} ({tag})")
+    verb = "would mark" if dry_run else "marked"
+    n = report["would_mark"] if dry_run else report["marked"]
+    click.echo(f"{verb} {n} entries stale; {report['already_stale']} were already stale")
+    if report["workload_path"]:
+        click.echo(f"re-tune workload written to {report['workload_path']}")
+
+
+@drift_group.command("guard")
+@db_option
+@click.option(
+    "--threshold",
+    type=click.FloatRange(min=0, min_open=True),
+    default=0.05,
+    show_default=True,
+    help="Flag an entry whose re-measured median moved more than this fraction.",
+)
+@click.option(
+    "--backend",
+    "backend_name",
+    type=click.Choice(["gpu", "fake"]),
+    default="gpu",
+    show_default=True,
+    help="Where to measure: the GPU (mxdb.kernels) or the analytic fake backend (demos).",
+)
+@click.option(
+    "--max-shapes",
+    type=click.IntRange(min=1),
+    default=16,
+    show_default=True,
+    help="Guard at most this many entries, spread over families and token counts.",
+)
+@click.option(
+    "--reps",
+    type=click.IntRange(min=1),
+    default=10,
+    show_default=True,
+    help="Timed samples per guard entry.",
+)
+@click.option("--mark", is_flag=True, help="Mark entries that got slower as stale.")
+@_POLICY
+@json_option
+@handle_errors
+def drift_guard_cmd(
+    db: str | None,
+    threshold: float,
+    backend_name: str,
+    max_shapes: int,
+    reps: int,
+    mark: bool,
+    policy: str,
+    as_json: bool,
+) -> None:
+    """Re-measure guard entries and flag performance drift no version string shows.
+
+    Exit 0 when every guard is within the threshold, 1 when any was flagged.
+    """
+    from mxdb.runtime.drift import run_guard
+
+    report = run_guard(
+        db,
+        backend_name,
+        threshold=threshold,
+        policy=policy,
+        max_shapes=max_shapes,
+        reps=reps,
+        mark=mark,
+    )
+    if as_json:
+        emit_json(report)
+    else:
+        click.echo(
+            f"{report['guards']} guard entries on {report['backend']}, "
+            f"threshold {report['threshold']:.1%}: {report['flagged']} flagged"
+        )
+        for r in report["results"]:
+            ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}x"
+            click.echo(
+                f"  entry {r['entry_id']} {r['family']} {r['dtype']} M={r['tokens']} "
+                f"{r['routing_class']}: {r['status']} ({ratio})"
+            )
+    if report["flagged"]:
+        sys.exit(1)
