@@ -303,7 +303,6 @@ def figures(raw: dict[str, Any]) -> dict[str, Any]:
         "decode_geomean_eager_over_graph": gm("eager_over_graph_layer", decode),
         "points_routing_changes_dispatch": sum(1 for r in rows if r.get("c_differs_from_d")),
         "geomean_c_over_d_where_changed": gm("speedup_c_over_d", lambda r: r["c_differs_from_d"]),
-        "points": rows,
         "n_points": len(rows),
         "dispatch_cost": raw.get("dispatch_cost"),
         "errors": raw.get("errors", []),

@@ -69,7 +69,9 @@ def seeded(tmp_path: Path) -> tuple[str, Path]:
 
 def test_dispatch_json_has_the_documented_fields(seeded: tuple[str, Path]) -> None:
     url, fp = seeded
-    out = mxdb_cli("dispatch", *SHAPE, "--tokens", "4", "--db", url, "--fingerprint", str(fp), "--json")
+    out = mxdb_cli(
+        "dispatch", *SHAPE, "--tokens", "4", "--db", url, "--fingerprint", str(fp), "--json"
+    )
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
     assert {"config", "level", "confidence", "reason"} <= set(d)
@@ -114,7 +116,9 @@ def test_dispatch_without_matching_fingerprint_falls_back(seeded: tuple[str, Pat
         (["--tokens", "4", "--routing-trace", "missing.json"], "missing.json"),
     ],
 )
-def test_dispatch_usage_errors_exit_2(seeded: tuple[str, Path], extra: list[str], needle: str) -> None:
+def test_dispatch_usage_errors_exit_2(
+    seeded: tuple[str, Path], extra: list[str], needle: str
+) -> None:
     url, _ = seeded
     out = mxdb_cli("dispatch", *SHAPE, *extra, "--db", url)
     assert out.returncode == 2, (out.stdout, out.stderr)

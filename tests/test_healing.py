@@ -14,7 +14,9 @@ def _decision(block_n: int, entry_id: int) -> Decision:
     cfg = KernelConfig.uniform(
         GemmConfig(block_m=16, block_n=block_n, block_k=64, num_warps=4, num_stages=3)
     )
-    return Decision(config=cfg, level=EXACT, confidence=1.0, reason="exact_match", entry_id=entry_id)
+    return Decision(
+        config=cfg, level=EXACT, confidence=1.0, reason="exact_match", entry_id=entry_id
+    )
 
 
 A, B, C = _decision(64, 1), _decision(128, 2), _decision(256, 3)

@@ -58,7 +58,7 @@ FUSED_MOE = textwrap.dedent(
     """
 )
 
-E, H, I, K, M = 8, 64, 32, 2, 4
+E, H, I, K, M = 8, 64, 32, 2, 4  # noqa: E741
 SHAPE = MoEShape(E, H, I, K, M, "fp16")
 G64 = GemmConfig(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=3)
 G128 = GemmConfig(block_m=16, block_n=128, block_k=64, num_warps=4, num_stages=3)

@@ -227,7 +227,9 @@ def guard(
     if mark:
         slower = [int(r["entry_id"]) for r in flagged if r["status"] != "faster"]
         if slower:
-            marked = store.set_status(slower, "stale", f"guard: performance moved > {threshold:.0%}")
+            marked = store.set_status(
+                slower, "stale", f"guard: performance moved > {threshold:.0%}"
+            )
     return {
         "fingerprint": current.hash,
         "backend": getattr(backend, "name", type(backend).__name__),
