@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from mxdb.configs import KernelConfig
+from mxdb.ops import config_to_json
 
 #: The level that answered.
 EXACT = "exact"
@@ -38,7 +38,8 @@ REASONS: dict[str, str] = {
 class Decision:
     """What to run for one call, the level that answered, and why."""
 
-    config: KernelConfig | None
+    #: The op's config: a ``KernelConfig`` for the fused-MoE layer; None for a fallback.
+    config: Any
     level: str
     confidence: float
     reason: str
@@ -52,11 +53,11 @@ class Decision:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "config": self.config.model_dump() if self.config is not None else None,
-            "config_hash": self.config.hash if self.config is not None else None,
+            "config": config_to_json(self.config) if self.config is not None else None,
+            "config_hash": getattr(self.config, "hash", None),
             "triton_config": (
                 {"gemm1": self.config.gemm1.to_triton(), "gemm2": self.config.gemm2.to_triton()}
-                if self.config is not None
+                if hasattr(self.config, "gemm1")
                 else None
             ),
             "level": self.level,

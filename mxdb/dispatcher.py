@@ -26,10 +26,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from mxdb.configs import KernelConfig
 from mxdb.decision import EXACT, NEIGHBOUR, Decision, fallback
 from mxdb.errors import UsageError
 from mxdb.models import ADJACENT_CLASSES, ROUTING_CLASSES, Fingerprint
+from mxdb.ops import parse_config
 
 if TYPE_CHECKING:
     from mxdb.store import DispatchRow, Store
@@ -90,7 +90,7 @@ class Dispatcher:
         self._lock = threading.RLock()
         self._cache: dict[tuple[Any, Any], Decision] = {}
         self._families: dict[tuple[str, str, str], _Family] = {}
-        self._configs: dict[str, KernelConfig] = {}
+        self._configs: dict[tuple[str, str], Any] = {}
         self._fingerprints: dict[str, Fingerprint] | None = None
         self._match_cache: dict[str, bool] = {}
         #: (shape, routing class) -> decision put in front of the store's answer (self-healing);
@@ -206,11 +206,7 @@ class Dispatcher:
             for conf, _, _, r in sorted(ranked.values(), key=lambda c: c[:3], reverse=True):
                 if len(out) >= limit:
                     break
-                config = self._configs.get(r.config_hash)
-                if config is None:
-                    assert self.store is not None
-                    config = KernelConfig.parse(json.loads(self.store.entry_config(r.id)))
-                    self._configs[r.config_hash] = config
+                config = self._config(shape.op, r)
                 same = r.routing_class == routing_class
                 if r.tokens == shape.tokens:
                     reason = "exact_match" if same else "adjacent_routing"
@@ -256,7 +252,7 @@ class Dispatcher:
         assert fam.index is not None
         if not fam.index:
             return fallback(fam.empty_reason)
-        return self._choose(fam, shape.tokens, routing_class)
+        return self._choose(fam, shape.op, shape.tokens, routing_class)
 
     def _index(self, fam: _Family) -> None:
         """Group the dispatchable rows by routing class, sorted by tokens, best row per token count."""
@@ -285,7 +281,7 @@ class Dispatcher:
             rows.append(r)
         fam.index = index
 
-    def _choose(self, fam: _Family, tokens: int, routing_class: str) -> Decision:
+    def _choose(self, fam: _Family, op: str, tokens: int, routing_class: str) -> Decision:
         assert fam.index is not None
         ratio_limit = self.options.neighbour_ratio
         span = math.log2(ratio_limit) or 1.0
@@ -322,12 +318,7 @@ class Dispatcher:
         if best is None:
             return fallback("tokens_out_of_range" if any_class_ok else "routing_class_far")
         confidence, _, _, row, reason = best
-        # A config hash names one config, so parsed configs are shared by every family.
-        config = self._configs.get(row.config_hash)
-        if config is None:
-            assert self.store is not None
-            config = KernelConfig.parse(json.loads(self.store.entry_config(row.id)))
-            self._configs[row.config_hash] = config
+        config = self._config(op, row)
         return Decision(
             config=config,
             level=EXACT if reason == "exact_match" else NEIGHBOUR,
@@ -337,6 +328,16 @@ class Dispatcher:
             tokens=row.tokens,
             routing_class=row.routing_class,
         )
+
+    def _config(self, op: str, row: DispatchRow) -> Any:
+        """The parsed config of ``row``; a config hash names one config, so parses are shared."""
+        key = (op, row.config_hash)
+        config = self._configs.get(key)
+        if config is None:
+            assert self.store is not None
+            config = parse_config(op, json.loads(self.store.entry_config(row.id)))
+            self._configs[key] = config
+        return config
 
     def _routing_class(self, routing: Any) -> str:
         if routing is None:

@@ -165,3 +165,34 @@ def preset_shape(name: str, tokens: int, dtype: object = "bf16") -> MoEShape:
             f"unknown model preset {name!r}; known presets: {', '.join(sorted(PRESETS))}"
         ) from None
     return MoEShape(e, h, i, k, tokens, dtype)
+
+
+class OpShape(tuple):  # type: ignore[type-arg]
+    """A call of any other op (a decode op such as ``rms_norm``): ``(op, dtype, family, tokens)``.
+
+    ``dims`` are the op's sizes other than the row count ``tokens``; the family
+    is their canonical string, so that entries of one shape family share rows in
+    the store, like the MoE shapes' families.
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, op: str, dims: dict[str, int], tokens: int, dtype: object = "bf16") -> OpShape:
+        if not op or not isinstance(op, str):
+            raise ShapeError(f"op must be a non-empty name, got {op!r}")
+        clean = {str(k): _positive_int(str(k), v) for k, v in sorted(dims.items())}
+        family = "-".join(f"{k}{v}" for k, v in clean.items()) or "any"
+        m = _positive_int("tokens", tokens)
+        return tuple.__new__(cls, (op, canonical_dtype(dtype), family, m))
+
+    op = property(lambda self: self[0], doc="The op name.")
+    dtype = property(lambda self: self[1], doc="Canonical dtype name.")
+    family = property(lambda self: self[2], doc="The op's sizes without the row count.")
+    tokens = property(lambda self: self[3], doc="Rows (tokens) in the call.")
+
+    def __getnewargs__(self) -> tuple[Any, ...]:  # pickling
+        dims = {}
+        for part in self[2].split("-") if self[2] != "any" else []:
+            name = part.rstrip("0123456789")
+            dims[name] = int(part[len(name) :])
+        return (self[0], dims, self[3], self[1])

@@ -271,3 +271,29 @@ def test_module_level_dispatch_uses_configured_store(store: Store) -> None:
     finally:
         mxdb.dispatcher._default = None
     assert disp.store is store
+
+
+def test_the_dispatcher_is_generic_over_the_op(store: Store) -> None:
+    from mxdb.shapes import OpShape
+
+    shape = OpShape("rms_norm", {"hidden": 4096}, tokens=8, dtype="bf16")
+    choice = {"impl": "fused_triton"}
+    store.add_entries(
+        [
+            Entry(
+                op="rms_norm", dtype="bf16", family=shape.family, dims={"hidden": 4096, "tokens": 8},
+                tokens=8, config=choice, config_hash="impl-fused", fingerprint_hash=H200.hash,
+                status="verified", source="tune", speedup=1.4,
+            )
+        ]
+    )  # fmt: skip
+    disp = Dispatcher(store, H200)
+    d = disp.dispatch(shape, "uniform")
+    assert (d.level, d.config["impl"]) == ("exact", "fused_triton")
+    assert d.to_dict()["config"] == choice and d.to_dict()["triton_config"] is None
+    # the MoE family with the same dtype is not confused with it
+    assert disp.dispatch(SHAPE).reason == "no_entry"
+    assert OpShape("rms_norm", {"hidden": 4096}, 8) == shape
+    import pickle
+
+    assert pickle.loads(pickle.dumps(shape)) == shape
