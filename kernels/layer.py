@@ -78,14 +78,11 @@ def record_plan(
 
     Each Triton launch is captured at Triton's launcher (``driver.active.launcher_cls``) with its
     grid and argument list; the call's own tensors are found in the list by identity and become
-    slots of the plan.  Raises ``RuntimeError`` when a launch cannot be recorded (a launch hook
-    is installed, or a step launched nothing): the caller then keeps the pipeline.
+    slots of the plan.  Triton launch hooks (profilers) are not called by the replay.  Raises
+    ``RuntimeError`` when a step launched nothing: the caller then keeps the pipeline.
     """
-    from triton import knobs
     from triton.runtime import driver
 
-    if knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None:
-        raise RuntimeError("a Triton launch hook is installed: launches are not recorded")
     cls = driver.active.launcher_cls
     orig = cls.__call__
     inputs = (x, tw, ids, pipe.out)
@@ -124,6 +121,9 @@ def record_plan(
                     gx, gy, gz, None, function,
                     launcher.launch_cooperative_grid, launcher.launch_pdl, None, None,
                 ]  # fmt: skip
+            # args: packed metadata, launch metadata, enter hook, exit hook, kernel arguments;
+            # the plan replays without launch hooks (their metadata would be the recording's)
+            args = (args[0], None, None, None, *args[4:])
             full = head + list(args)
             binds = tuple(
                 (len(head) + j, slot) for j, a in enumerate(args) for slot, t in slots if a is t

@@ -51,13 +51,18 @@ def test_tune_writes_store_and_audited_bundle(db_url: str, tmp_path: Path) -> No
     )
     assert rep.points_done == rep.points_total == 4 and rep.points_measured == 4
     assert rep.verified, "the fake baseline is slower than the best configs by far"
-    assert rep.bundle is not None
-    result = audit_bundle(Path(rep.bundle))
-    assert not result.findings, result.findings
-    summary = json.loads((Path(rep.bundle) / "summary.json").read_text())
-    assert summary["counts"]["verified_groups"] == len(rep.verified)
-    export = json.loads((Path(rep.bundle) / "store_export.json").read_text())
-    assert len(export["entries"]) == len(rep.verified)
+    assert rep.bundle is not None and rep.bundle == rep.bundles[0]
+    # two routing sources: one bundle each, so that no comparison group mixes two traces
+    assert len(rep.bundles) == 2
+    verified_groups = exported = 0
+    for b in rep.bundles:
+        result = audit_bundle(Path(b))
+        assert not result.findings, result.findings
+        summary = json.loads((Path(b) / "summary.json").read_text())
+        verified_groups += summary["counts"]["verified_groups"]
+        export = json.loads((Path(b) / "store_export.json").read_text())
+        exported += len(export["entries"])
+    assert verified_groups == exported == len(rep.verified)
     with Store.open(db_url) as store:
         assert len(store.entries(status="verified", source="tune")) == len(rep.verified)
         fails = [m for m in store.measurements() if m.status != "ok"]

@@ -354,6 +354,8 @@ class _BundleAudit:
             self.check_run(rel, doc, traces)
         self.n_runs = len(runs)
         self.check_groups(runs, run_files)
+        if "tuning_cost.json" in contents:
+            self.check_tuning_cost(contents, runs)
 
         summary = None
         if "summary.json" in contents:
@@ -393,6 +395,26 @@ class _BundleAudit:
                 self.check_store_export(export, recomputed)
 
     # -- checks ------------------------------------------------------------------------
+
+    def check_tuning_cost(self, contents: dict[str, bytes], runs: dict[str, Any]) -> None:
+        from mxdb.audit.tuning_cost import TUNING_COST_NAME, check_tuning_cost
+
+        try:
+            doc = json.loads(contents[TUNING_COST_NAME], parse_constant=_parse_constant)
+        except (ValueError, UnicodeDecodeError) as exc:
+            self.add(
+                "json.invalid",
+                TUNING_COST_NAME,
+                "",
+                "a JSON document",
+                str(exc)[:120],
+                "not valid JSON",
+            )
+            return
+        if not isinstance(doc, dict):
+            self.add("json.invalid", TUNING_COST_NAME, "", "a JSON object", doc, "not an object")
+            return
+        check_tuning_cost(self, doc, contents, runs)
 
     def check_trace(self, rel: str, doc: dict[str, Any]) -> bool:
         ids = doc["ids"]

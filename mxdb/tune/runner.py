@@ -55,6 +55,10 @@ class TuneReport:
     points_measured: int
     verified: list[dict[str, Any]] = field(default_factory=list)
     bundle: str | None = None
+    #: every bundle written: one per routing source when the workload has several (two
+    #: sources can fall into one routing class at small M, and a bundle's comparison group,
+    #: keyed by shape, M and class, must replay one trace)
+    bundles: list[str] = field(default_factory=list)
     budget_exhausted: bool = False
     seconds: float = 0.0
     workers: int = 1
@@ -161,9 +165,10 @@ def tune(
         states = store.points(job)
         done = sum(1 for s in states if s.state == "done")
         entries = _job_entries(store, job, fp.hash)
-        path = None
+        paths: list[Path] = []
         if bundle and done:
-            path = write_bundle(store, job, workload, fp, points, entries, Path(out_dir))
+            paths = write_bundles(store, job, workload, fp, points, entries, Path(out_dir))
+        path = paths[0] if paths else None
     return TuneReport(
         job=job,
         workload=workload.name,
@@ -184,6 +189,7 @@ def tune(
             for e in entries
         ],
         bundle=str(path) if path else None,
+        bundles=[str(p) for p in paths],
         budget_exhausted=done < total and deadline is not None and time.time() >= deadline,
         seconds=time.monotonic() - t0,
         workers=workers,
@@ -455,6 +461,30 @@ def _job_entries(store: Store, job: str, fingerprint_hash: str) -> list[Entry]:
 _METHOD = {"graph": "cuda_graph_replay", "eager": "eager"}
 
 
+def write_bundles(
+    store: Store,
+    job: str,
+    workload: Workload,
+    fp: Fingerprint,
+    points: Sequence[tuple[Point, Trace, Trace]],
+    entries: Sequence[Entry],
+    out_dir: Path,
+) -> list[Path]:
+    """The job's bundles: one for the whole workload, or one per routing source."""
+    labels = list(dict.fromkeys(p.routing_label for p, _, _ in points))
+    if len(labels) <= 1:
+        return [write_bundle(store, job, workload, fp, points, entries, out_dir)]
+    out = []
+    for label in labels:
+        sub = [t for t in points if t[0].routing_label == label]
+        tags = {f"{_job_tag(job)}-{_point_tag(p.key)}-" for p, _, _ in sub}
+        sub_entries = [e for e in entries if e.evidence and e.evidence[:18] in tags]
+        if not any(_job_measurements(store, job, p.shape, p.key) for p, _, _ in sub):
+            continue
+        out.append(write_bundle(store, job, workload, fp, sub, sub_entries, out_dir, suffix=label))
+    return out
+
+
 def write_bundle(
     store: Store,
     job: str,
@@ -463,13 +493,16 @@ def write_bundle(
     points: Sequence[tuple[Point, Trace, Trace]],
     entries: Sequence[Entry],
     out_dir: Path,
+    *,
+    suffix: str | None = None,
 ) -> Path:
-    """Assemble the evidence bundle of ``job`` from the store under ``out_dir``."""
+    """Assemble the evidence bundle of ``job`` (or of some of its points) under ``out_dir``."""
     from mxdb.evidence.writer import BundleWriter
     from mxdb.interop.export import StoreExport
 
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    root = out_dir / f"{workload.name}-{stamp}-{uuid.uuid4().hex[:4]}"
+    name = f"{workload.name}-{suffix}" if suffix else workload.name
+    root = out_dir / f"{name}-{stamp}-{uuid.uuid4().hex[:4]}"
     w = BundleWriter(root, milestone=workload.name, fingerprint=fp)
     for p, replay, synthetic in points:
         ms = _job_measurements(store, job, p.shape, p.key)

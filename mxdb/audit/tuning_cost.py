@@ -1,0 +1,244 @@
+"""The tuning-cost claim of a bundle (``tuning_cost.json``): recomputed from its raw files.
+
+A tuning-cost bundle compares, per point, mxdb's search with an exhaustive search of the
+same grid.  Its ``tuning_cost.json`` claims, for each point:
+
+- ``exhaustive_best``: the fastest of the bundle's ``exhaustive_*`` runs (median of the raw
+  samples of one final interleaved timing), and ``quality_ratio`` = median(mxdb run) /
+  median(exhaustive best run);
+- ``dispatched``: what a dispatcher would serve: mxdb's winner when its speedup over the
+  baseline run exceeds the noise band of the baseline/control pair, else the baseline; and
+  ``dispatched_quality_ratio`` likewise;
+- ``gpu_seconds`` of each side = the sum of its listed ``time_call_wall_s``, and
+  ``gpu_time_fraction`` = mxdb's / the exhaustive search's;
+- ``meets_target``: quality ratio <= 1.01 and GPU-time fraction <= 0.10;
+- each sweep file's ``best`` is the config with the smallest median among its timed rows, and
+  the ``exhaustive_gemm1``/``exhaustive_gemm2`` runs time exactly those configs.
+
+The audit recomputes every figure; a mismatch is a finding.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from mxdb.configs import config_hash
+from mxdb.evidence import stats
+
+TUNING_COST_NAME = "tuning_cost.json"
+SCHEMA = "mxdb.tuning-cost"
+SCHEMA_VERSION = "1.0"
+TARGET_QUALITY = 1.01
+TARGET_GPU_FRACTION = 0.10
+REL_TOL = 1e-9
+EXHAUSTIVE_LABELS = ("exhaustive_gemm1", "exhaustive_gemm2", "exhaustive_combined")
+
+
+class _Sink(Protocol):
+    def add(self, check: str, file: str, field: str, expected: Any, found: Any, msg: str) -> None:
+        """Record one finding."""
+
+
+def _samples(run: Mapping[str, Any] | None) -> list[float]:
+    if not run or run.get("status") != "ok":
+        return []
+    timing = run.get("timing") or {}
+    return [float(x) for x in timing.get("samples_us") or []]
+
+
+def _med(run: Mapping[str, Any] | None) -> float | None:
+    s = _samples(run)
+    return stats.median(s) if s else None
+
+
+def _sweep_best(doc: Mapping[str, Any]) -> tuple[str | None, int]:
+    rows = [r for r in doc.get("timed", []) if r.get("status") == "ok" and r.get("samples_us")]
+    if not rows:
+        return None, 0
+    best = min(rows, key=lambda r: stats.median([float(x) for x in r["samples_us"]]))
+    return config_hash(best["config"]), len(rows)
+
+
+def recompute_point(
+    point: Mapping[str, Any], runs: Mapping[str, Mapping[str, Any]]
+) -> dict[str, Any]:
+    """The figures of one point, from its runs' raw samples and its listed call times."""
+    ids = point["runs"]
+    meds = {label: _med(runs.get(ids.get(label, ""))) for label in EXHAUSTIVE_LABELS}
+    timed = {k: v for k, v in meds.items() if v is not None}
+    best = min(timed, key=lambda k: (timed[k], k)) if timed else None
+    mx = _med(runs.get(ids.get("mxdb", "")))
+    base = _med(runs.get(ids.get("baseline", "")))
+    ctl = _med(runs.get(ids.get("control", "")))
+    ex_s = float(sum(point["exhaustive"]["time_call_wall_s"]))
+    mx_s = float(sum(point["mxdb"]["time_call_wall_s"]))
+    out: dict[str, Any] = {
+        "exhaustive_best": best,
+        "exhaustive_best_median_us": timed.get(best) if best else None,
+        "mxdb_median_us": mx,
+        "baseline_median_us": base,
+        "quality_ratio": mx / timed[best] if (best and mx) else None,
+        "exhaustive_gpu_seconds": ex_s,
+        "mxdb_gpu_seconds": mx_s,
+        "gpu_time_fraction": mx_s / ex_s if ex_s > 0 else None,
+    }
+    dispatched = "baseline"
+    if (
+        mx is not None
+        and base is not None
+        and ctl is not None
+        and stats.speedup(base, mx) - 1.0 > stats.pair_noise(base, ctl)
+    ):
+        dispatched = "mxdb"
+    out["dispatched"] = dispatched
+    d_med = mx if dispatched == "mxdb" else base
+    out["dispatched_quality_ratio"] = d_med / timed[best] if (best and d_med) else None
+    q, f = out["quality_ratio"], out["gpu_time_fraction"]
+    out["meets_target"] = bool(
+        q is not None and f is not None and q <= TARGET_QUALITY and f <= TARGET_GPU_FRACTION
+    )
+    return out
+
+
+def build_tuning_cost(
+    points: list[dict[str, Any]],
+    runs: Mapping[str, Mapping[str, Any]],
+    sweeps: Mapping[str, Mapping[str, Any]],
+    *,
+    definitions: Mapping[str, str],
+) -> dict[str, Any]:
+    """The ``tuning_cost.json`` document for ``points`` (figures computed here)."""
+    out_points = []
+    for p in points:
+        fig = recompute_point(p, runs)
+        n = sum(_sweep_best(sweeps[rel])[1] for rel in p["exhaustive"]["sweeps"])
+        out_points.append({**p, **fig, "exhaustive_configs_timed": n})
+    qs = [p["quality_ratio"] for p in out_points if p["quality_ratio"]]
+    fs = [p["gpu_time_fraction"] for p in out_points if p["gpu_time_fraction"] is not None]
+    return {
+        "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION,
+        "definitions": {
+            **definitions,
+            "quality_ratio": "median(mxdb run samples) / median(exhaustive best run samples), "
+            "both from one final interleaved CUDA-graph timing",
+            "target": f"quality_ratio <= {TARGET_QUALITY} and gpu_time_fraction <= "
+            f"{TARGET_GPU_FRACTION}",
+        },
+        "points": out_points,
+        "summary": {
+            "points": len(out_points),
+            "meeting_target": sum(1 for p in out_points if p["meets_target"]),
+            "geomean_quality_ratio": stats.geomean(qs) if qs else None,
+            "max_gpu_time_fraction": max(fs) if fs else None,
+        },
+    }
+
+
+def _close(a: Any, b: Any) -> bool:
+    if a is None or b is None:
+        return a is b
+    if isinstance(a, bool) or isinstance(b, bool) or isinstance(a, str) or isinstance(b, str):
+        return bool(a == b)
+    return math.isclose(float(a), float(b), rel_tol=REL_TOL, abs_tol=1e-12)
+
+
+def check_tuning_cost(
+    sink: _Sink,
+    doc: Mapping[str, Any],
+    contents: Mapping[str, bytes],
+    runs: Mapping[str, Mapping[str, Any]],
+) -> None:
+    """Recompute every figure of ``doc`` from the bundle's runs and sweep files."""
+    rel = TUNING_COST_NAME
+    if doc.get("schema") != SCHEMA or doc.get("schema_version") != SCHEMA_VERSION:
+        sink.add(
+            "tuning_cost.schema",
+            rel,
+            "schema",
+            f"{SCHEMA} {SCHEMA_VERSION}",
+            f"{doc.get('schema')} {doc.get('schema_version')}",
+            "not a tuning-cost document this mxdb understands",
+        )
+        return
+    points = doc.get("points")
+    if not isinstance(points, list) or not points:
+        sink.add("tuning_cost.invalid", rel, "points", "a list of points", points, "no points")
+        return
+    for i, p in enumerate(points):
+        where = f"points[{i}]"
+        try:
+            ids = p["runs"]
+            missing = [lbl for lbl, rid in ids.items() if rid not in runs]
+            if missing:
+                sink.add(
+                    "tuning_cost.missing_run",
+                    rel,
+                    f"{where}.runs",
+                    "runs present in runs/",
+                    missing,
+                    "the claim names runs the bundle does not hold",
+                )
+                continue
+            fig = recompute_point(p, runs)
+            for sweep_rel, label in zip(
+                p["exhaustive"]["sweeps"], ("exhaustive_gemm1", "exhaustive_gemm2"), strict=True
+            ):
+                if sweep_rel not in contents:
+                    sink.add(
+                        "tuning_cost.missing_sweep",
+                        rel,
+                        f"{where}.exhaustive.sweeps",
+                        sweep_rel,
+                        "no file",
+                        "the claim names a sweep file the bundle does not hold",
+                    )
+                    continue
+                sweep = json.loads(contents[sweep_rel])
+                best_hash, _ = _sweep_best(sweep)
+                run_hash = runs[ids[label]].get("config_hash")
+                if best_hash != config_hash(sweep.get("best", {})) or best_hash != run_hash:
+                    sink.add(
+                        "tuning_cost.sweep_best",
+                        sweep_rel,
+                        "best",
+                        best_hash,
+                        run_hash,
+                        f"the {label} run does not time the sweep's fastest config",
+                    )
+            n = sum(
+                _sweep_best(json.loads(contents[s]))[1]
+                for s in p["exhaustive"]["sweeps"]
+                if s in contents
+            )
+            fig["exhaustive_configs_timed"] = n
+        except (KeyError, TypeError, ValueError) as exc:
+            sink.add(
+                "tuning_cost.invalid", rel, where, "a complete point", repr(exc)[:80], "malformed"
+            )
+            continue
+        for key, value in fig.items():
+            if not _close(p.get(key), value):
+                sink.add(
+                    "tuning_cost.mismatch",
+                    rel,
+                    f"{where}.{key}",
+                    value,
+                    p.get(key),
+                    "claimed figure differs from the one recomputed from the raw files",
+                )
+    pts = [p for p in points if isinstance(p, dict)]
+    summary = doc.get("summary") or {}
+    claimed_meeting = sum(1 for p in pts if p.get("meets_target"))
+    if summary.get("points") != len(pts) or summary.get("meeting_target") != claimed_meeting:
+        sink.add(
+            "tuning_cost.mismatch",
+            rel,
+            "summary",
+            {"points": len(pts), "meeting_target": claimed_meeting},
+            {k: summary.get(k) for k in ("points", "meeting_target")},
+            "summary counts differ from the points",
+        )
