@@ -21,12 +21,9 @@ export MXDB_DB="sqlite:///$store"
 echo "== mxdb import mxdb evidence/store-export.json  (into $store)"
 mxdb import mxdb evidence/store-export.json
 
-# a bundle's fingerprint.json wraps the components in a document: hand dispatch the components
-bundle_fp=$(ls evidence/*/fingerprint.json | head -1)
-fp="$(dirname "$store")/fingerprint.json"
-python3 -c 'import json, sys; d = json.load(open(sys.argv[1])); json.dump(d.get("fingerprint", d), open(sys.argv[2], "w"))' "$bundle_fp" "$fp"
+fp=$(ls evidence/h200-milestone-*/fingerprint.json | head -1)
 for m in 4 64 1024; do
-  echo "== mxdb dispatch Mixtral-8x7B bf16 M=$m (as recorded in $bundle_fp)"
+  echo "== mxdb dispatch Mixtral-8x7B bf16 M=$m (as recorded in $fp)"
   mxdb dispatch --experts 8 --hidden 4096 --intermediate 14336 --topk 2 --tokens "$m" \
     --dtype bf16 --routing-class uniform --fingerprint "$fp"
 done

@@ -237,11 +237,17 @@ def fingerprint_document(fp: Fingerprint) -> dict[str, Any]:
 def parse_fingerprint(data: Any, *, source: str = "fingerprint") -> Fingerprint:
     """A fingerprint from its JSON object (components, optionally with ``hash``).
 
-    A ``{"fingerprint": {...}}`` wrapper is accepted too.  When ``hash`` is
-    present it must equal the hash of the components: a hand-edited file fails.
+    A ``{"fingerprint": {...}}`` wrapper is accepted too, as is an evidence
+    bundle's ``fingerprint.json`` document (``schema: mxdb.fingerprint``, whose
+    ``hash`` is checked the same way).  When ``hash`` is present it must equal
+    the hash of the components: a hand-edited file fails.
     """
     if isinstance(data, dict) and set(data) == {"fingerprint"}:
         data = data["fingerprint"]
+    elif isinstance(data, dict) and data.get("schema") == "mxdb.fingerprint":
+        inner = data.get("fingerprint")
+        if isinstance(inner, dict):
+            data = {**inner, **({"hash": data["hash"]} if "hash" in data else {})}
     if not isinstance(data, dict):
         raise InvalidInputError(
             f"{source}: a fingerprint must be a JSON object of components "

@@ -285,3 +285,20 @@ def test_cli_fingerprint_human_and_diff() -> None:
     assert "smem_per_block" in names and "mxdb" in names
     missing = runner.invoke(cli, ["fingerprint", "--diff", "/nonexistent/fp.json"])
     assert missing.exit_code == 1 and "does not exist" in missing.output
+
+
+def test_an_evidence_bundle_fingerprint_document_loads(tmp_path: Path) -> None:
+    fp = recorded("h200")
+    doc = {
+        "schema": "mxdb.fingerprint",
+        "schema_version": "1.0",
+        "fingerprint": fp.components(),
+        "hash": fp.hash,
+    }
+    path = tmp_path / "fingerprint.json"
+    path.write_text(json.dumps(doc))
+    assert load_fingerprint(path) == fp
+    doc["hash"] = "0" * 16
+    path.write_text(json.dumps(doc))
+    with pytest.raises(InvalidInputError, match="does not match its components"):
+        load_fingerprint(path)
