@@ -75,6 +75,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         "Speedup = median(baseline) / median(best correct candidate); noise band = largest "
         "max/min - 1 of the group's control pairs; verified when speedup - 1 > noise band."
     )
+    status_of = {f["run_id"]: f["status"] for f in report["failures"]}
     by_shape: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
     for r in report["rows"]:
         by_shape[f"{r['family']} {r['dtype']}"].append(r)
@@ -90,7 +91,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
                 f"| {r['tokens']} | {r['routing_class']} | {_fmt(r['baseline_median_us'], '.3f')} "
                 f"| {_fmt(r['best_median_us'], '.3f')} | {_fmt(r['speedup'], '.4f')} "
                 f"| {_fmt(r['noise_band'], '.4f')} | {'yes' if r['verified'] else 'no'} "
-                f"| {_fmt(r['floor_fraction'], '.3f')} | {', '.join(r['failures']) or '-'} |"
+                f"| {_fmt(r['floor_fraction'], '.3f')} | {_failure_counts(r['failures'], status_of)} |"
             )
     out += ["", "## Failures", ""]
     if not report["failures"]:
@@ -98,6 +99,14 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     for f in report["failures"]:
         out.append(f"- `{f['run_id']}`: {f['status']}" + (f" ({f['error']})" if f["error"] else ""))
     return "\n".join(out) + "\n"
+
+
+def _failure_counts(run_ids: list[str], status_of: Mapping[str, str]) -> str:
+    """A row's failures as counts by status (each one is listed under Failures)."""
+    counts: dict[str, int] = defaultdict(int)
+    for run_id in run_ids:
+        counts[status_of.get(run_id, "failed")] += 1
+    return ", ".join(f"{status} {n}" for status, n in sorted(counts.items())) or "-"
 
 
 def _plot(report: Mapping[str, Any], out_dir: Path) -> list[Path]:
