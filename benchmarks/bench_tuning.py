@@ -23,6 +23,7 @@ the exhaustive search's GPU time.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -41,6 +42,7 @@ from mxdb.tune import traces
 from mxdb.tune.backend import Backend, Correctness, Timing
 from mxdb.tune.search import PointInput, RoutingInput, search
 from mxdb.tune.space import SearchSpace, joint
+from mxdb.tune.verify import judge
 from mxdb.tune.workload import SearchOptions
 
 #: (model preset, M, routing kind, routing params)
@@ -288,6 +290,11 @@ class _GpuMeter:
         self.compile_s += time.monotonic() - t0
         return out
 
+    def _now(self) -> float:
+        # the fake backend's simulated GPU seconds; wall-clock seconds on a real GPU
+        counters = getattr(self.inner, "counters", None)
+        return float(counters.gpu_seconds) if counters is not None else time.monotonic()
+
     def time(
         self,
         shape: MoEShape,
@@ -298,9 +305,9 @@ class _GpuMeter:
         seed: int,
         method: str = "graph",
     ) -> list[Timing]:
-        t0 = time.monotonic()
+        t0 = self._now()
         out = self.inner.time(shape, topk_ids, configs, reps=reps, seed=seed, method=method)
-        self.wall.append(time.monotonic() - t0)
+        self.wall.append(self._now() - t0)
         calls = getattr(self.inner, "calls_per_sample", 1)
         self.sampled_s += sum(sum(t.samples_us) for t in out) * calls * 1e-6
         return out
@@ -308,9 +315,9 @@ class _GpuMeter:
     def check(
         self, shape: MoEShape, topk_ids: np.ndarray, config: KernelConfig, *, seed: int
     ) -> Correctness:
-        t0 = time.monotonic()
+        t0 = self._now()
         out = self.inner.check(shape, topk_ids, config, seed=seed)
-        self.wall.append(time.monotonic() - t0)
+        self.wall.append(self._now() - t0)
         return out
 
 
@@ -380,10 +387,27 @@ def _mxdb(backend: Any, task: dict[str, Any]) -> dict[str, Any]:
     )
     options = SearchOptions(**task["options"])
     res = search(
-        backend, point, options, space=SearchSpace(shape, backend.profile()), clock=backend.clock
+        backend,
+        point,
+        options,
+        space=SearchSpace(shape, backend.profile()),
+        budget_s=task.get("budget_s"),
+        clock=backend.clock,
     )
     winner = res.winner or res.baseline
+    verdict = judge(res)
     return {
+        # mxdb's own final comparison (its replay stage): what it would dispatch
+        "comparison": {
+            "winner_config_hash": res.winner.hash if res.winner is not None else None,
+            "winner_samples_us": list(res.winner_samples),
+            "baseline_samples_us": list(res.baseline_samples),
+            "control_samples_us": [list(res.control_samples[0]), list(res.control_samples[1])],
+            "answer": "winner" if verdict.verified else "baseline",
+            "reason": verdict.reason,
+        },
+        "budget_s": task.get("budget_s"),
+        "budget_exhausted": res.budget_exhausted,
         "kind": "mxdb",
         "winner": winner.model_dump(),
         "found_winner": res.winner is not None,
@@ -405,6 +429,8 @@ def _final(backend: Any, task: dict[str, Any]) -> dict[str, Any]:
     base = backend.baseline_config(shape)
     lineup = [KernelConfig.parse(c) for c in task["lineup"]]
     lineup = [*lineup, base, base]
+    # a fresh machine's compile cache is empty: compile the lineup in parallel first
+    backend.compile(shape, lineup)
     timings = backend.time(shape, ids, lineup, reps=task["final_reps"], seed=task["seed"])
     checks = []
     for c in lineup[:-1]:
@@ -556,7 +582,8 @@ def main_gpu(args: argparse.Namespace) -> int:
             }
         )
     t0 = time.monotonic()
-    first = _run_tasks(devices, tasks)
+    run = _run_tasks if args.backend == "gpu" else functools.partial(_run_inline, "fake", args.seed)
+    first = run(devices, tasks) if args.backend == "gpu" else run(tasks)
     atomic_write_json(args.out / "bench_tuning_gpu_phase1.json", first)
     finals = []
     for i, pt in enumerate(points):
@@ -577,7 +604,9 @@ def main_gpu(args: argparse.Namespace) -> int:
                 **common,
             }
         )
-    second = _run_tasks(devices, finals) if finals else {}
+    second = {}
+    if finals:
+        second = run(devices, finals) if args.backend == "gpu" else run(finals)
     doc = {
         "benchmark": "mxdb.bench_tuning",
         "backend": "gpu",
@@ -598,9 +627,175 @@ def main_gpu(args: argparse.Namespace) -> int:
         ],
         "wall_seconds": time.monotonic() - t0,
     }
+    if args.backend == "fake":
+        doc["fingerprint"] = _make_backend("fake", args.seed).fingerprint().model_dump()
     path = atomic_write_json(args.out / "bench_tuning_gpu.json", doc)
     print(path)
     return 0
+
+
+# -- a new search against a recorded exhaustive sweep (one GPU, minutes) ----------------------
+
+#: The search options of the tuning-cost benchmark (the milestone workload's are separate, and
+#: faster): a wider rung 0, a GEMM2 screen of rung 0's best, hill-climbing on; chosen on the
+#: CPU against the recorded H200 sweeps to spend about 6-8% of the exhaustive GPU time.
+BENCH_OPTIONS: dict[str, Any] = {
+    "max_candidates": 80,
+    "halving_rounds": 2,
+    "eta": 3,
+    "synthetic_reps": 3,
+    "refine_reps": 6,
+    "refine_steps": 2,
+    "finalists": 4,
+    "replicates": 3,
+    "replay_reps": 10,
+    "gemm2_pool": 18,
+    "align_moves": False,
+}
+#: A hard cap on mxdb's GPU time per point, as a share of the recorded exhaustive GPU time.
+BUDGET_FRACTION = 0.095
+FINAL_LABELS = ["exhaustive_gemm1", "exhaustive_gemm2", "exhaustive_combined", "mxdb"]
+
+
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _source_points(src: Path) -> list[dict[str, Any]]:
+    """The recorded points of a tuning-cost bundle: point tuple, sweeps, exhaustive figures."""
+    doc = json.loads((src / "tuning_cost.json").read_text())
+    out = []
+    for p in doc["points"]:
+        r = p["routing"]
+        sweeps = {}
+        for rel in p["exhaustive"]["sweeps"]:
+            sw = json.loads((src / rel).read_text())
+            sweeps[sw["which"]] = {"file": rel, "best": sw["best"]}
+        out.append(
+            {
+                "id": p["id"],
+                "point": [p["model"], p["shape"]["tokens"], r["kind"], r["params"]],
+                "dtype": p["shape"]["dtype"],
+                "seed": r["seed"],
+                "sweeps": sweeps,
+                "exhaustive": {
+                    k: p["exhaustive"][k]
+                    for k in ("time_call_wall_s", "sampled_gpu_seconds", "compile_seconds")
+                },
+                "exhaustive_gpu_seconds": float(sum(p["exhaustive"]["time_call_wall_s"])),
+            }
+        )
+    return out
+
+
+def _make_backend(kind: str, seed: int) -> Any:
+    if kind == "fake":
+        from mxdb.tune.fake import FakeBackend
+
+        # an H200's per-config cost: ~20 ms of set-up, check and capture, 8 calls per sample
+        return FakeBackend(seed=seed, overhead_s=0.02, calls_per_sample=8)
+    import os
+
+    from mxdb.kernels.backend import GpuBackend
+
+    workers = max(2, (os.cpu_count() or 2) - 1)
+    return GpuBackend(0, calls_per_sample=8, warmup=2, compile_workers=workers)
+
+
+def main_reuse(args: argparse.Namespace) -> int:
+    """mxdb's search on every point of a recorded sweep bundle, and one fresh final timing."""
+    from mxdb.tune.runner import warm_up
+
+    src: Path = args.reuse_sweeps
+    manifest = json.loads((src / "manifest.json").read_text())
+    points = _source_points(src)
+    options = {**SearchOptions().model_dump(exclude={"budget_minutes"}), **BENCH_OPTIONS}
+    t0 = time.monotonic()
+    backend = _make_backend(args.backend, args.seed)
+    first = points[0]
+    warm_s = warm_up(backend, _point_shape(first["point"][0], first["point"][1], first["dtype"]))
+    out_points = []
+    for i, sp in enumerate(points):
+        pt = sp["point"]
+        common = {"dtype": sp["dtype"], "seed": sp["seed"], "point": pt}
+        budget = BUDGET_FRACTION * sp["exhaustive_gpu_seconds"]
+        tp = time.monotonic()
+        mx = _mxdb(_GpuMeter(backend), {**common, "options": options, "budget_s": budget})
+        mx["wall_seconds"] = time.monotonic() - tp
+        b1 = KernelConfig.parse(sp["sweeps"]["gemm1"]["best"])
+        b2 = KernelConfig.parse(sp["sweeps"]["gemm2"]["best"])
+        lineup = [b1, b2, joint(b1.gemm1, b2.gemm2), KernelConfig.parse(mx["winner"])]
+        tf = time.monotonic()
+        final = _final(
+            _GpuMeter(backend),
+            {
+                **common,
+                "lineup": [c.model_dump_json() for c in lineup],
+                "labels": FINAL_LABELS,
+                "final_reps": args.final_reps,
+            },
+        )
+        final["wall_seconds"] = time.monotonic() - tf
+        out_points.append(
+            {
+                **common,
+                "source_point": sp["id"],
+                "sweeps": sp["sweeps"],
+                "exhaustive_recorded": sp["exhaustive"],
+                "tasks": {f"p{i}-mxdb": mx, f"p{i}-final": final},
+            }
+        )
+        print(
+            f"p{i} {pt[0]} M={pt[1]} {pt[2]}: mxdb {mx['gpu_seconds']:.2f} s GPU of "
+            f"{sp['exhaustive_gpu_seconds']:.1f} s recorded "
+            f"({100 * mx['gpu_seconds'] / sp['exhaustive_gpu_seconds']:.1f}%), "
+            f"answer {mx['comparison']['answer']}, {time.monotonic() - tp:.1f} s wall",
+            file=sys.stderr,
+            flush=True,
+        )
+    close = getattr(backend, "close", None)
+    fp = backend.fingerprint()
+    if callable(close):
+        close()
+    files = sorted({rel for sp in points for s in sp["sweeps"].values() for rel in [s["file"]]})
+    doc = {
+        "benchmark": "mxdb.bench_tuning",
+        "mode": "reuse",
+        "backend": args.backend,
+        "fingerprint": fp.model_dump(),
+        "source": {
+            "bundle": src.name,
+            "bundle_id": manifest["bundle_id"],
+            "fingerprint_hash": manifest.get("fingerprint_hash")
+            or json.loads((src / "fingerprint.json").read_text()).get("hash"),
+            "files": {rel: _sha256(src / rel) for rel in [*files, "tuning_cost.json"]},
+        },
+        "exhaustive_definition": EXHAUSTIVE_DEFINITION.format(samples=3, calls=8),
+        "gpu_time_definition": GPU_TIME_DEFINITION,
+        "options": options,
+        "budget_fraction": BUDGET_FRACTION,
+        "final_reps": args.final_reps,
+        "warm_up_seconds": warm_s,
+        "points": out_points,
+        "wall_seconds": time.monotonic() - t0,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = atomic_write_json(args.out / "bench_tuning_gpu.json", doc)
+    print(path)
+    return 0
+
+
+def _run_inline(kind: str, seed: int, tasks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The GPU run's tasks one after the other on one backend (the fake one on a CPU)."""
+    backend = _make_backend(kind, seed)
+    fns = {"sweep": _sweep, "mxdb": _mxdb, "final": _final}
+    out: dict[str, Any] = {}
+    for task in tasks:
+        r = fns[task["kind"]](_GpuMeter(backend), task)
+        out[task["id"]] = {**r, "ok": True, "id": task["id"], "device": 0}
+    return out
 
 
 # -- the evidence bundle of a GPU run (built on any machine from bench_tuning_gpu.json) ---------
@@ -617,12 +812,21 @@ _RUN_TAGS = {
 }
 
 
-def build_bundle(raw_path: Path, out_dir: Path, fingerprint_path: Path) -> Path:
+def build_bundle(
+    raw_path: Path,
+    out_dir: Path,
+    fingerprint_path: Path | None = None,
+    *,
+    sweeps_from: Path | None = None,
+    milestone: str = "h200-tuning-cost",
+) -> Path:
     """An evidence bundle of a GPU run: final interleaved runs, sweeps and tuning_cost.json.
 
     ``fingerprint_path`` is the fingerprint.json (bundle document or bare components) of the
-    environment the run measured in (the raw file of a run made next to ``mxdb tune`` in the
-    same call carries none of its own).
+    environment the run measured in, when the raw file carries none of its own.  A run made
+    with ``--reuse-sweeps`` names the bundle whose sweeps it reused; ``sweeps_from`` is that
+    bundle's folder: its sweep files are copied byte for byte (their SHA-256 must match the
+    ones the run recorded) and its recorded exhaustive GPU time is carried over.
     """
     from mxdb.audit.tuning_cost import TUNING_COST_NAME, build_tuning_cost
     from mxdb.evidence.writer import BundleWriter
@@ -630,9 +834,20 @@ def build_bundle(raw_path: Path, out_dir: Path, fingerprint_path: Path) -> Path:
     from mxdb.tune.traces import classify
 
     raw = json.loads(raw_path.read_text())
-    fp_doc = json.loads(fingerprint_path.read_text())
-    fp = Fingerprint(**fp_doc.get("fingerprint", fp_doc))
-    w = BundleWriter(out_dir, milestone="h200-tuning-cost", fingerprint=fp)
+    reuse = raw.get("mode") == "reuse"
+    if fingerprint_path is not None:
+        fp_doc = json.loads(fingerprint_path.read_text())
+        fp = Fingerprint(**fp_doc.get("fingerprint", fp_doc))
+    else:
+        fp = Fingerprint(**raw["fingerprint"])
+    source = raw.get("source") if reuse else None
+    if source is not None:
+        if sweeps_from is None:
+            raise SystemExit("a --reuse-sweeps run needs --sweeps-from (the reused bundle)")
+        for rel, digest in source["files"].items():
+            if _sha256(sweeps_from / rel) != digest:
+                raise SystemExit(f"{sweeps_from / rel} is not the file the run reused")
+    w = BundleWriter(out_dir, milestone=milestone, fingerprint=fp)
     points_doc = []
     sweeps: dict[str, Any] = {}
     for i, p in enumerate(raw["points"]):
@@ -672,20 +887,60 @@ def build_bundle(raw_path: Path, out_dir: Path, fingerprint_path: Path) -> Path:
                 fidelity="layer",
             )
             run_ids[label] = rid
-        for which in ("gemm1", "gemm2"):
-            sw = t[f"p{i}-{which}"]
-            sweeps[f"sweeps/p{i}-{which}.json"] = {
-                "schema": "mxdb.tuning-sweep",
-                "schema_version": "1.0",
-                "point": f"p{i}",
-                "which": which,
-                "configs_in_grid": sw["configs_in_grid"],
-                "proxy_rejected": sw["proxy_rejected"],
-                "failed": sw["failed"],
-                "best": sw["best"],
-                "timed": sw["timed"],
+        exhaustive: dict[str, Any]
+        if source is not None:
+            assert sweeps_from is not None
+            sweep_files = [p["sweeps"]["gemm1"]["file"], p["sweeps"]["gemm2"]["file"]]
+            for which, rel in zip(("gemm1", "gemm2"), sweep_files, strict=True):
+                sweeps[f"sweeps/p{i}-{which}.json"] = (sweeps_from / rel).read_bytes()
+            rec = p["exhaustive_recorded"]
+            exhaustive = {
+                "sweeps": [f"sweeps/p{i}-gemm1.json", f"sweeps/p{i}-gemm2.json"],
+                **rec,
+                "recorded_in": {
+                    "bundle": source["bundle"],
+                    "bundle_id": source["bundle_id"],
+                    "point": p["source_point"],
+                    "fingerprint_hash": source.get("fingerprint_hash"),
+                    "sweep_sha256": [source["files"][rel] for rel in sweep_files],
+                },
+            }
+        else:
+            for which in ("gemm1", "gemm2"):
+                sw = t[f"p{i}-{which}"]
+                sweeps[f"sweeps/p{i}-{which}.json"] = {
+                    "schema": "mxdb.tuning-sweep",
+                    "schema_version": "1.0",
+                    "point": f"p{i}",
+                    "which": which,
+                    "configs_in_grid": sw["configs_in_grid"],
+                    "proxy_rejected": sw["proxy_rejected"],
+                    "failed": sw["failed"],
+                    "best": sw["best"],
+                    "timed": sw["timed"],
+                }
+            exhaustive = {
+                "sweeps": [f"sweeps/p{i}-gemm1.json", f"sweeps/p{i}-gemm2.json"],
+                "time_call_wall_s": t[f"p{i}-gemm1"]["time_call_wall_s"]
+                + t[f"p{i}-gemm2"]["time_call_wall_s"],
+                "sampled_gpu_seconds": t[f"p{i}-gemm1"]["sampled_gpu_seconds"]
+                + t[f"p{i}-gemm2"]["sampled_gpu_seconds"],
+                "compile_seconds": t[f"p{i}-gemm1"]["compile_seconds"]
+                + t[f"p{i}-gemm2"]["compile_seconds"],
             }
         mx = t[f"p{i}-mxdb"]
+        mx_doc = {
+            "options": mx["options"],
+            "stages": mx["stages"],
+            "configs_timed": mx["configs_timed"],
+            "time_call_wall_s": mx["time_call_wall_s"],
+            "sampled_gpu_seconds": mx["sampled_gpu_seconds"],
+            "compile_seconds": mx["compile_seconds"],
+        }
+        if "comparison" in mx:
+            mx_doc["comparison"] = mx["comparison"]
+            mx_doc["budget_s"] = mx.get("budget_s")
+            mx_doc["budget_exhausted"] = mx.get("budget_exhausted")
         points_doc.append(
             {
                 "id": f"p{i}",
@@ -693,39 +948,40 @@ def build_bundle(raw_path: Path, out_dir: Path, fingerprint_path: Path) -> Path:
                 "shape": shape.to_dict(),
                 "routing": {"kind": kind, "params": params, "seed": p["seed"], "trace_hash": th},
                 "runs": run_ids,
-                "exhaustive": {
-                    "sweeps": [f"sweeps/p{i}-gemm1.json", f"sweeps/p{i}-gemm2.json"],
-                    "time_call_wall_s": t[f"p{i}-gemm1"]["time_call_wall_s"]
-                    + t[f"p{i}-gemm2"]["time_call_wall_s"],
-                    "sampled_gpu_seconds": t[f"p{i}-gemm1"]["sampled_gpu_seconds"]
-                    + t[f"p{i}-gemm2"]["sampled_gpu_seconds"],
-                    "compile_seconds": t[f"p{i}-gemm1"]["compile_seconds"]
-                    + t[f"p{i}-gemm2"]["compile_seconds"],
-                },
-                "mxdb": {
-                    "options": mx["options"],
-                    "stages": mx["stages"],
-                    "configs_timed": mx["configs_timed"],
-                    "time_call_wall_s": mx["time_call_wall_s"],
-                    "sampled_gpu_seconds": mx["sampled_gpu_seconds"],
-                    "compile_seconds": mx["compile_seconds"],
-                },
+                "exhaustive": exhaustive,
+                "mxdb": mx_doc,
             }
         )
     runs = dict(w._runs)
-    doc = build_tuning_cost(
-        points_doc,
-        runs,
-        sweeps,
-        definitions={
-            "exhaustive": raw["exhaustive_definition"],
-            "gpu_time": raw["gpu_time_definition"],
-        },
-    )
+    sweep_docs = {rel: json.loads(v) if isinstance(v, bytes) else v for rel, v in sweeps.items()}
+    definitions = {
+        "exhaustive": raw["exhaustive_definition"],
+        "gpu_time": raw["gpu_time_definition"],
+    }
+    if source is not None:
+        definitions["reuse"] = (
+            f"the exhaustive sweeps (files under sweeps/, byte-identical to bundle "
+            f"{source['bundle_id']}) and their GPU time (time_call_wall_s) were recorded by an "
+            "earlier run on the same kind of device; this run timed mxdb's search afresh and one "
+            "new interleaved timing of the sweeps' best configs, mxdb's winner and FlagGems' "
+            "choice (twice: the control pair)"
+        )
+    doc = build_tuning_cost(points_doc, runs, sweep_docs, definitions=definitions)
     for rel, sdoc in sweeps.items():
-        w._write(rel, sdoc)
+        if isinstance(sdoc, bytes):
+            _write_raw(w, rel, sdoc)  # the reused sweep, byte for byte
+        else:
+            w._write(rel, sdoc)
     w._write(TUNING_COST_NAME, doc)
     return w.finish(bandwidth_bytes_per_s=None)
+
+
+def _write_raw(w: Any, rel: str, data: bytes) -> None:
+    from mxdb.fileio import atomic_write_bytes
+
+    path = Path(w.root) / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(path, data)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -749,12 +1005,44 @@ def main(argv: list[str] | None = None) -> int:
         help="build an evidence bundle under --out from a GPU run's bench_tuning_gpu.json",
     )
     ap.add_argument("--fingerprint", type=Path, default=None, help="with --bundle-from")
+    ap.add_argument(
+        "--reuse-sweeps",
+        type=Path,
+        default=None,
+        help="a tuning-cost bundle: run only mxdb's search and one final timing per point, "
+        "against its recorded exhaustive sweeps (writes bench_tuning_gpu.json under --out)",
+    )
+    ap.add_argument(
+        "--sweep-run",
+        action="store_true",
+        help="fake backend: the GPU run's exhaustive sweeps + search flow, in-process",
+    )
+    ap.add_argument("--sweeps-from", type=Path, default=None, help="with --bundle-from")
+    ap.add_argument("--milestone", default="h200-tuning-cost", help="with --bundle-from")
     args = ap.parse_args(argv)
     if args.bundle_from is not None:
-        if args.fingerprint is None:
+        raw = json.loads(args.bundle_from.read_text())
+        if args.fingerprint is None and "fingerprint" not in raw:
             ap.error("--bundle-from needs --fingerprint (the run's environment)")
-        print(build_bundle(args.bundle_from, args.out, args.fingerprint))
+        print(
+            build_bundle(
+                args.bundle_from,
+                args.out,
+                args.fingerprint,
+                sweeps_from=args.sweeps_from,
+                milestone=args.milestone,
+            )
+        )
         return 0
+    if args.reuse_sweeps is not None:
+        if args.final_reps == 200:
+            args.final_reps = 30
+        return main_reuse(args)
+    if args.sweep_run:
+        args.final_reps = 30 if args.final_reps == 200 else args.final_reps
+        args.points = len(GPU_POINTS) if args.points == len(POINTS) else args.points
+        args.out.mkdir(parents=True, exist_ok=True)
+        return main_gpu(args)
 
     if args.backend == "gpu":
         if args.final_reps == 200:

@@ -1,6 +1,7 @@
 """The lean MoE layer's eager cost on one GPU: eager calls against graph replay and FlagGems.
 
 Usage (GPU host): python benchmarks/lean_layer.py OUT.json [--store-export EXPORT.json]
+Usage (anywhere): python benchmarks/lean_layer.py publish OUT.json evidence/h200-lean-layer
 
 For Mixtral-8x7B and Qwen3-30B-A3B (bf16, uniform routing) at M in {1, 2, 4, 8, 16, 64, 256},
 with the config mxdb dispatches (FlagGems' own choice where the store has none), interleaved:
@@ -14,6 +15,11 @@ with the config mxdb dispatches (FlagGems' own choice where the store has none),
   (do_bench-like; includes the launch latency and the synchronization);
 * ``host``: host time to issue one call (``perf_counter_ns``, no synchronization) for the layer,
   the unrecorded pipeline (FlagGems' launch path) and ``fused_experts_impl``.
+
+``publish`` writes an evidence bundle from OUT.json: ``fingerprint.json`` (the environment the
+raw output recorded), ``lean_layer.json`` (``mxdb.lean-layer``: the raw samples, every figure
+and each target with its threshold, measured value and verdict, all recomputed by
+``mxdb audit``) and ``report/lean_layer.md``.
 """
 
 # ruff: noqa: B023  (the timed lambdas run before their loop variables change)
@@ -62,7 +68,129 @@ def host(torch: Any, fn: Any, n: int) -> float:
     return best
 
 
+SERIES_KEYS = {
+    "eager_layer": ("eager_us", "layer"),
+    "eager_fused_experts_impl": ("eager_us", "fused_experts_impl"),
+    "eager_layer_graphs": ("eager_us", "layer_graphs"),
+    "eager_pipeline": ("eager_us", "pipeline"),
+    "synced_layer": ("synced_us", "layer"),
+    "synced_fused_experts_impl": ("synced_us", "fused_experts_impl"),
+    "synced_layer_graphs": ("synced_us", "layer_graphs"),
+}
+
+
+def publish(raw_path: Path, bundle: Path) -> None:
+    """Write the lean-layer evidence bundle from the raw JSON (figures computed by mxdb)."""
+    import shutil
+
+    from mxdb.configs import config_hash
+    from mxdb.evidence.files import atomic_write, dumps
+    from mxdb.evidence.lean_layer import LEAN_LAYER_FILE, LeanLayerDoc, build_lean_layer
+    from mxdb.evidence.models import FingerprintDoc
+    from mxdb.evidence.writer import make_correctness, write_manifest
+    from mxdb.fileio import atomic_write_text
+    from mxdb.models import Fingerprint
+    from mxdb.shapes import preset_shape
+
+    milestone = "h200-lean-layer"
+    raw = json.loads(raw_path.read_text())
+    fp = Fingerprint(**raw["fingerprint"])
+    points = []
+    for p in raw["points"]:
+        shape = preset_shape(p["family"], p["tokens"], "bf16")
+        err, rel, _ = p["correct"]
+        samples = {"graph_layer": p["graph_us"]}
+        samples.update({k: p[a][b] for k, (a, b) in SERIES_KEYS.items()})
+        points.append(
+            {
+                "family": p["family"],
+                "tokens": p["tokens"],
+                "shape": shape.to_dict(),
+                "config": p["config"],
+                "config_hash": config_hash(p["config"]),
+                "config_is_flaggems": p["config_is_flaggems"],
+                "launches": p["launches"],
+                "record_error": p["record_error"],
+                "correctness": make_correctness("bf16", err, rel).to_json_dict(),
+                "identical_to_fused_experts_impl": p["identical_to_fused_experts_impl"],
+                "samples": samples,
+                "host_us": p["host_us"],
+            }
+        )
+    doc = build_lean_layer(
+        points,
+        milestone=milestone,
+        fingerprint_hash=fp.hash,
+        profile=raw.get("profile") or {},
+        errors=raw.get("errors", []),
+    )
+    doc = LeanLayerDoc.model_validate(doc).to_json_dict()
+    tmp = bundle.with_name(bundle.name + ".new")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    fdoc = FingerprintDoc(fingerprint=fp, hash=fp.hash).to_json_dict()
+    atomic_write(tmp / "fingerprint.json", dumps(fdoc))
+    atomic_write(tmp / LEAN_LAYER_FILE, dumps(doc))
+    (tmp / "report").mkdir()
+    atomic_write_text(tmp / "report" / "lean_layer.md", render(doc))
+    write_manifest(tmp, bundle_id=bundle.name, milestone=milestone)
+    if bundle.exists():
+        shutil.rmtree(bundle)
+    tmp.rename(bundle)
+
+
+def render(doc: dict[str, Any]) -> str:
+    """``report/lean_layer.md``: a view of ``lean_layer.json`` (the audit checks the JSON)."""
+
+    def x(v: Any) -> str:
+        return "-" if v is None else f"{v:.3f}"
+
+    f = doc["figures"]
+    lines = [
+        "# The lean MoE layer: eager against graph replay and FlagGems' fused_experts_impl",
+        "",
+        f"- decode (M <= {doc['decode_max_tokens']}, {f['n_decode_points']} points): eager/graph "
+        f"of MoELayer {x(f['decode_geomean_eager_over_graph_layer'])} (geomean, max "
+        f"{x(f['decode_max_eager_over_graph_layer'])}); eager MoELayer "
+        f"{x(f['decode_geomean_eager_speedup_layer_over_fused_experts_impl'])}x faster than "
+        f"fused_experts_impl; per-call synced "
+        f"{x(f['decode_geomean_synced_speedup_layer_over_fused_experts_impl'])}x; host time "
+        f"{x(f['decode_geomean_host_speedup_layer_over_fused_experts_impl'])}x",
+        "",
+        "| family | M | graph us | eager us | eager/graph | fei eager us | fei/layer eager | "
+        "synced fei/layer | host layer us | host fei us |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for p in doc["points"]:
+        m, h = p["median_us"], p["host_us"]
+        lines.append(
+            f"| {p['family']} | {p['tokens']} | {x(m['graph_layer'])} | {x(m['eager_layer'])} | "
+            f"{x(p['eager_over_graph_layer'])} | {x(m['eager_fused_experts_impl'])} | "
+            f"{x(p['eager_speedup_layer_over_fused_experts_impl'])} | "
+            f"{x(p['synced_speedup_layer_over_fused_experts_impl'])} | {x(h['layer'])} | "
+            f"{x(h['fused_experts_impl'])} |"
+        )
+    lines += ["", "| target | threshold | measured | result |", "|---|---|---|---|"]
+    for t in doc["targets"]:
+        op = ">=" if t["comparison"] == "ge" else "<="
+        lines.append(
+            f"| {t['name']}: {t['statement']} | {t['figure']} {op} {t['threshold']:g} | "
+            f"{x(t['measured'])} | {'pass' if t['passed'] else 'MISS'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
+    import sys
+
+    if len(sys.argv) > 1 and sys.argv[1] == "publish":
+        pp = argparse.ArgumentParser(prog="lean_layer.py publish", description=publish.__doc__)
+        pp.add_argument("raw", type=Path)
+        pp.add_argument("bundle", type=Path)
+        pa = pp.parse_args(sys.argv[2:])
+        publish(pa.raw, pa.bundle)
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--store-export", default="evidence/store-export.json")

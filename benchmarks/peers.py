@@ -18,7 +18,9 @@ lean ``MoELayer`` for (c).  The memory-bound floor uses the device-to-device cop
 measured in the same run.  Also the dispatch cost: ``mxdb`` dispatch hit against FlagGems'
 ``try_get_optimal_moe_config``.  The JSON is rewritten after every point.
 
-``publish``: writes an evidence bundle (runs with raw samples, summary, report) from OUT.json.
+``publish``: writes the evidence bundle from OUT.json: runs with raw samples, summary, report, and
+``peers.json`` (``mxdb.peers``: every figure above and each target with its threshold, measured
+value and verdict, all recomputed by ``mxdb audit`` from the runs' samples).
 """
 
 # ruff: noqa: B023  (the timed lambdas run before their loop variables change)
@@ -243,82 +245,30 @@ SHORT = {"mixtral-8x7b": "mixtral", "qwen3-30b-a3b": "qwen3"}
 ROLE = {"a": "baseline", "b": "peer", "c": "candidate", "d": "candidate"}
 
 
-def figures(raw: dict[str, Any]) -> dict[str, Any]:
-    """Every claimed figure, recomputed from the raw samples (medians of the samples)."""
-    from mxdb.evidence import stats
-    from mxdb.shapes import preset_shape
-
-    bw = raw["bandwidth_bytes_per_s"]
-    rows = []
-    for p in raw["points"]:
-        shape = preset_shape(p["family"], p["tokens"], "bf16")
-        med = {n: stats.median(v) for n, v in p["graph_us"].items()}
-        emed = {n: stats.median(v) for n, v in p["eager_us"].items()}
-        active = len({x for r in p["ids"] for x in r})
-        floor = active * 3 * shape.hidden * shape.intermediate * 2 / bw * 1e6
-        noise = stats.pair_noise(med["ctl1"], med["ctl2"]) if "ctl1" in med else None
-        c = med.get("c")
-        d = med.get("d", c)
-        winner_cfg = min((m, n) for n, m in med.items() if n in ROLE)[1]
-        row = {
-            "family": p["family"],
-            "tokens": p["tokens"],
-            "routing": p["routing"],
-            "routing_class": p["routing_class"],
-            "median_us": med,
-            "noise_band": noise,
-            "floor_us": floor,
-            "winner": winner_cfg,
-        }
-        if c is not None:
-            row["speedup_c_over_a"] = med["a"] / c
-            row["speedup_c_over_b"] = med["b"] / c
-            row["speedup_c_over_d"] = d / c if d else None
-            row["c_differs_from_d"] = "d" in med
-            row["floor_fraction_c"] = floor / c
-            row["floor_fraction_a"] = floor / med["a"]
-            row["floor_fraction_b"] = floor / med["b"]
-            tol = 1 + (noise or 0.0)
-            row["c_slower_than_a"] = c > med["a"] * tol
-            row["c_slower_than_b"] = c > med["b"] * tol
-        if emed:
-            row["eager_median_us"] = emed
-            row["eager_speedup_layer_over_fused_experts_impl"] = emed["a"] / emed["c"]
-            row["eager_over_graph_layer"] = emed["c"] / c if c else None
-        rows.append(row)
-
-    def gm(key: str, pred: Any = lambda r: True) -> float | None:
-        return stats.geomean(r[key] for r in rows if r.get(key) and pred(r))
-
-    decode = lambda r: r["tokens"] <= 16  # noqa: E731
-    return {
-        "bandwidth_bytes_per_s": bw,
-        "points": rows,
-        "geomean_speedup_c_over_a": gm("speedup_c_over_a"),
-        "geomean_speedup_c_over_b": gm("speedup_c_over_b"),
-        "points_c_slower_than_a": sum(1 for r in rows if r.get("c_slower_than_a")),
-        "points_c_slower_than_b": sum(1 for r in rows if r.get("c_slower_than_b")),
-        "decode_geomean_floor_fraction_c": gm("floor_fraction_c", decode),
-        "decode_geomean_eager_speedup": gm("eager_speedup_layer_over_fused_experts_impl", decode),
-        "decode_geomean_eager_over_graph": gm("eager_over_graph_layer", decode),
-        "points_routing_changes_dispatch": sum(1 for r in rows if r.get("c_differs_from_d")),
-        "geomean_c_over_d_where_changed": gm("speedup_c_over_d", lambda r: r["c_differs_from_d"]),
-        "n_points": len(rows),
-        "dispatch_cost": raw.get("dispatch_cost"),
-        "errors": raw.get("errors", []),
-    }
-
-
 def publish(raw_path: Path, bundle: Path) -> None:
-    """Write the evidence bundle (runs, summary, report, figures and plots) from the raw JSON."""
-    from mxdb.evidence.writer import BundleWriter, write_manifest
-    from mxdb.fileio import atomic_write_json, atomic_write_text
+    """Write the evidence bundle (runs, summary, report, ``peers.json``, plots) from the raw JSON.
+
+    The bundle is built next to ``bundle`` and replaces it at the end; its fingerprint is the
+    one the raw output recorded, and every figure of ``peers.json`` is computed from the runs'
+    raw samples by ``mxdb.evidence.peers.build_peers`` (the auditor's own function).
+    """
+    import shutil
+
+    from mxdb.evidence.files import atomic_write, dumps
+    from mxdb.evidence.peers import PEERS_FILE, PeersDoc, build_peers
+    from mxdb.evidence.writer import BundleWriter, load_runs, write_manifest
+    from mxdb.fileio import atomic_write_text
     from mxdb.models import Fingerprint
     from mxdb.shapes import preset_shape
 
     raw = json.loads(raw_path.read_text())
     fp = Fingerprint(**raw["fingerprint"])
-    w = BundleWriter(bundle, milestone="h200-peers", fingerprint=fp, bundle_id=bundle.name)
+    tmp = bundle.with_name(bundle.name + ".new")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    w = BundleWriter(tmp, milestone="h200-peers", fingerprint=fp, bundle_id=bundle.name)
+    points: list[dict[str, Any]] = []
+    active: dict[str, int] = {}
     for p in raw["points"]:
         shape = preset_shape(p["family"], p["tokens"], "bf16")
         th = w.add_trace(
@@ -326,6 +276,7 @@ def publish(raw_path: Path, bundle: Path) -> None:
             experts=shape.experts,
             generator={"kind": p["routing"], "seed": p["seed"], "params": p["routing_params"]},
         )
+        active[th] = len({x for r in p["ids"] for x in r})
         base = f"{SHORT[p['family']]}-m{p['tokens']}-{p['routing']}"
         for n, samples in p["graph_us"].items():
             key = "c" if n.startswith("ctl") else n
@@ -346,15 +297,42 @@ def publish(raw_path: Path, bundle: Path) -> None:
                 rel_err=rel,
                 pair_id=f"{base}-ctl" if role == "control" else None,
             )
+        points.append(
+            {
+                "family": p["family"],
+                "tokens": p["tokens"],
+                "routing": p["routing"],
+                "routing_class": p["routing_class"],
+                "trace_hash": th,
+                "runs": {n: f"{base}-{n}" for n in p["graph_us"]},
+            }
+        )
     w.finish(bandwidth_bytes_per_s=raw["bandwidth_bytes_per_s"])
-    figs = figures(raw)
-    atomic_write_json(bundle / "report" / "peers.json", figs)
-    atomic_write_text(bundle / "report" / "peers.md", render(figs))
-    plots(figs, bundle / "report")
-    write_manifest(bundle, bundle_id=w.bundle_id, milestone="h200-peers")
+    runs = {r["run_id"]: r for r in load_runs(tmp)}
+    doc = build_peers(
+        points,
+        runs,
+        active,
+        milestone="h200-peers",
+        fingerprint_hash=fp.hash,
+        bandwidth_bytes_per_s=raw["bandwidth_bytes_per_s"],
+        dispatch_cost=raw.get("dispatch_cost") or {},
+        errors=raw.get("errors", []),
+    )
+    doc = PeersDoc.model_validate(doc).to_json_dict()
+    atomic_write(tmp / PEERS_FILE, dumps(doc))
+    atomic_write_text(tmp / "report" / "peers.md", render(doc))
+    plots(doc, tmp / "report")
+    write_manifest(tmp, bundle_id=w.bundle_id, milestone="h200-peers")
+    if bundle.exists():
+        shutil.rmtree(bundle)
+    tmp.rename(bundle)
 
 
-def render(f: dict[str, Any]) -> str:
+def render(doc: dict[str, Any]) -> str:
+    """``report/peers.md``: the figures of ``peers.json`` (a view; the audit checks the JSON)."""
+    f = {**doc["figures"], "points": doc["points"]}
+
     def x(v: Any) -> str:
         return "-" if v is None else f"{v:.3f}"
 
@@ -385,10 +363,18 @@ def render(f: dict[str, Any]) -> str:
             f"{x(r.get('eager_speedup_layer_over_fused_experts_impl'))} | "
             f"{x(r.get('eager_over_graph_layer'))} |"
         )
+    lines += ["", "| target | threshold | measured | result |", "|---|---|---|---|"]
+    for t in doc["targets"]:
+        op = ">=" if t["comparison"] == "ge" else "<="
+        lines.append(
+            f"| {t['name']}: {t['statement']} | {t['figure']} {op} {t['threshold']:g} | "
+            f"{x(t['measured'])} | {'pass' if t['passed'] else 'MISS'} |"
+        )
     return "\n".join(lines) + "\n"
 
 
-def plots(f: dict[str, Any], out: Path) -> None:
+def plots(doc: dict[str, Any], out: Path) -> None:
+    f = {"points": doc["points"]}
     try:
         import matplotlib
 

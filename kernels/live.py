@@ -7,10 +7,7 @@ cannot be read is ``None`` (a fingerprint records absence rather than guessing).
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib.util
 import subprocess
-from pathlib import Path
 from typing import Any
 
 #: FlagGems sources whose kernels the tuned configs drive: their hash is the kernel source hash.
@@ -22,14 +19,10 @@ KERNEL_MODULES = (
 
 
 def kernel_source_hash() -> str | None:
-    """SHA-256 (16 hex digits) over the FlagGems MoE kernel sources, in a fixed order."""
-    h = hashlib.sha256()
-    for name in KERNEL_MODULES:
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.origin is None:
-            return None
-        h.update(name.encode() + b"\0" + Path(spec.origin).read_bytes() + b"\0")
-    return h.hexdigest()[:16]
+    """The FlagGems fused-MoE kernel source hash: the core's definition, so both sides agree."""
+    from mxdb.fingerprint import kernel_source_hash as core_hash
+
+    return core_hash()
 
 
 def _driver_version() -> str | None:

@@ -39,8 +39,10 @@ LIVE_COMPONENTS: tuple[str, ...] = (
 )
 
 #: Distributions that provide Triton, in the order they are looked for.  MetaX
-#: ships its Triton as mcTriton; FlagTree is FlagOpen's multi-backend Triton.
-TRITON_DISTRIBUTIONS: tuple[str, ...] = ("triton", "mctriton", "mc-triton", "flagtree")
+#: ships its Triton as mcTriton; FlagTree is FlagOpen's multi-backend Triton.  A
+#: vendor fork installed beside stock Triton is the one the vendor's torch uses,
+#: so the forks are looked for first.
+TRITON_DISTRIBUTIONS: tuple[str, ...] = ("mctriton", "mc-triton", "flagtree", "triton")
 #: Distributions that only exist on MetaX software stacks.
 METAX_DISTRIBUTIONS: frozenset[str] = frozenset({"mctriton", "mc-triton"})
 FLAG_GEMS_DISTRIBUTIONS: tuple[str, ...] = ("flag_gems", "flag-gems")
@@ -149,20 +151,22 @@ def collect(live: Mapping[str, Any] | None = None) -> Fingerprint:
     """The fingerprint of this environment.
 
     Software components come from installed distribution metadata; device
-    components (see ``LIVE_COMPONENTS``) only from ``live``.  A component that
+    components (see ``LIVE_COMPONENTS``) only from ``live``.  The GPU layer may
+    also pass the software components it read from the loaded modules; those
+    take precedence over the metadata (they are what this process runs).  A component that
     cannot be known here stays ``None`` (absent).  ``vendor`` is inferred as
     ``metax`` from a MetaX-only distribution (mcTriton) or a torch build tagged
     ``metax`` when ``live`` does not say.
     """
     facts: dict[str, Any] = {}
+    allowed = [c for c in FINGERPRINT_COMPONENTS if c != "mxdb"]
     if live:
-        unknown = sorted(set(live) - set(LIVE_COMPONENTS))
+        unknown = sorted(set(live) - set(allowed))
         if unknown:
             raise UsageError(
                 f"unknown live fingerprint components {unknown}; "
-                f"the GPU layer may pass: {', '.join(LIVE_COMPONENTS)}"
+                f"the GPU layer may pass: {', '.join(allowed)}"
             )
-        facts.update({k: v for k, v in live.items() if v is not None})
 
     torch = _dist_version(("torch",))
     if torch:
@@ -180,6 +184,8 @@ def collect(live: Mapping[str, Any] | None = None) -> Fingerprint:
     if source_hash:
         facts["kernel_source_hash"] = source_hash
     facts["mxdb"] = __version__
+    if live:
+        facts.update({k: v for k, v in live.items() if v is not None})
 
     if "vendor" not in facts:
         metax = (triton is not None and triton[0] in METAX_DISTRIBUTIONS) or (

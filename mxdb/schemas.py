@@ -35,6 +35,10 @@ REGISTRY: dict[str, tuple[str, str, str]] = {
     "report": ("mxdb.evidence.models:Report", "1.0", "serialization"),
     "store-export": ("mxdb.interop.export:StoreExport", "1.0", "serialization"),
     "compile-survey": ("mxdb.evidence.survey:CompileSurvey", "1.0", "serialization"),
+    "decode": ("mxdb.evidence.decode:DecodeDoc", "1.0", "serialization"),
+    "peers": ("mxdb.evidence.peers:PeersDoc", "1.0", "serialization"),
+    "lean-layer": ("mxdb.evidence.lean_layer:LeanLayerDoc", "1.0", "serialization"),
+    "self-healing": ("mxdb.evidence.healing:SelfHealingDoc", "1.0", "serialization"),
 }
 
 #: The document name a file declares in its "schema" field -> registry name.
@@ -49,6 +53,10 @@ DOCUMENT_NAMES: dict[str, str] = {
     "mxdb.report": "report",
     "mxdb.store-export": "store-export",
     "mxdb.compile-survey": "compile-survey",
+    "mxdb.decode": "decode",
+    "mxdb.peers": "peers",
+    "mxdb.lean-layer": "lean-layer",
+    "mxdb.self-healing": "self-healing",
 }
 
 

@@ -155,8 +155,12 @@ def test_collect_takes_live_device_facts() -> None:
     fp = collect(live)
     for k, v in live.items():
         assert getattr(fp, k) == v
+    # the GPU layer's reading of the loaded modules wins over distribution metadata
+    assert collect({"torch": "2.11.0+cu130", "triton": "3.6.0"}).torch == "2.11.0+cu130"
     with pytest.raises(UsageError, match="unknown live fingerprint components"):
-        collect({"torch": "2.0"})
+        collect({"mxdb": "9.9"})
+    with pytest.raises(UsageError, match="unknown live fingerprint components"):
+        collect({"gpu_count": 2})
     with pytest.raises(UsageError, match="sm_count"):
         collect({"sm_count": "many"})
 

@@ -188,3 +188,30 @@ def test_cli_tune_fake_json(tmp_path: Path) -> None:
     assert bad.exit_code == 2 and "does not exist" in bad.output
     bad = runner.invoke(cli, ["tune", str(wl), "--backend", "fake", "--devices", "a,b"])
     assert bad.exit_code == 2 and "--devices" in bad.output
+
+
+def test_compile_pool_start_up_is_not_charged_to_the_first_point(tmp_path: Path) -> None:
+    """A slow first compile (a compile pool starting) must not eat the first point's budget."""
+    from mxdb.tune.runner import work
+
+    wl = _wl(tokens=[16], routings=[{"kind": "uniform"}])
+    backend = FakeBackend(compile_startup_s=2.0)
+    url = f"sqlite:///{tmp_path / 's.sqlite'}"
+    fp = backend.fingerprint()
+    job = job_name(wl, fp)
+    from mxdb.tune.runner import build_points
+
+    with Store.open(url) as store:
+        store.add_points(
+            job,
+            [
+                (p.key, {**p.payload(), "replay": r.to_payload(), "synthetic": s.to_payload()})
+                for p, r, s in build_points(wl)
+            ],
+        )
+        # 2.6 s in all: without the warm-up outside the budget, the start-up alone would use
+        # more than the budget's search share and no candidate would be timed
+        assert work(job, store, backend, wl.search, fp.hash, time.time() + 2.6) == 1
+        ms = store.measurements()
+    assert backend.counters.compile_calls >= 2
+    assert any(m.fidelity == "synthetic" and m.samples_us for m in ms)

@@ -317,6 +317,22 @@ class _BundleAudit:
 
                 check_survey(self, "survey.json", survey)
 
+        if "decode.json" in contents:
+            decode = self.parse("decode.json", contents["decode.json"], "mxdb.decode")
+            if decode is not None:
+                from mxdb.audit.decode import check_decode
+
+                check_decode(self, "decode.json", decode)
+
+        if "self_healing.json" in contents:
+            doc = self.parse(
+                "self_healing.json", contents["self_healing.json"], "mxdb.self-healing"
+            )
+            if doc is not None:
+                from mxdb.audit.healing import check_healing
+
+                check_healing(self, "self_healing.json", doc, self.fp_hash)
+
         traces: dict[str, dict[str, Any]] = {}
         for rel in sorted(r for r in contents if r.startswith("traces/")):
             doc = self.parse(rel, contents[rel], "mxdb.trace")
@@ -354,6 +370,7 @@ class _BundleAudit:
             self.check_run(rel, doc, traces)
         self.n_runs = len(runs)
         self.check_groups(runs, run_files)
+        self.check_claims(contents, runs, traces)
         if "tuning_cost.json" in contents:
             self.check_tuning_cost(contents, runs)
 
@@ -395,6 +412,24 @@ class _BundleAudit:
                 self.check_store_export(export, recomputed)
 
     # -- checks ------------------------------------------------------------------------
+
+    def check_claims(
+        self, contents: dict[str, bytes], runs: dict[str, Any], traces: dict[str, Any]
+    ) -> None:
+        """The peers and lean-layer claims (``peers.json``, ``lean_layer.json``), if present."""
+        tol = (self.opt.rel_tol, self.opt.abs_tol)
+        if "peers.json" in contents:
+            doc = self.parse("peers.json", contents["peers.json"], "mxdb.peers")
+            if doc is not None:
+                from mxdb.audit.peers import check_peers
+
+                check_peers(self, "peers.json", doc, runs, traces, tol)
+        if "lean_layer.json" in contents:
+            doc = self.parse("lean_layer.json", contents["lean_layer.json"], "mxdb.lean-layer")
+            if doc is not None:
+                from mxdb.audit.lean_layer import check_lean_layer
+
+                check_lean_layer(self, "lean_layer.json", doc, tol)
 
     def check_tuning_cost(self, contents: dict[str, bytes], runs: dict[str, Any]) -> None:
         from mxdb.audit.tuning_cost import TUNING_COST_NAME, check_tuning_cost

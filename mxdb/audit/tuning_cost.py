@@ -12,6 +12,12 @@ same grid.  Its ``tuning_cost.json`` claims, for each point:
 - ``gpu_seconds`` of each side = the sum of its listed ``time_call_wall_s``, and
   ``gpu_time_fraction`` = mxdb's / the exhaustive search's;
 - ``meets_target``: quality ratio <= 1.01 and GPU-time fraction <= 0.10;
+- (schema 1.1) ``answer``: what mxdb itself would dispatch after its own search, recomputed
+  from the samples of its final comparison (``mxdb.comparison``): its winner when the winner's
+  speedup over FlagGems' choice exceeds the noise band of the control pair, else FlagGems'
+  choice.  ``quality_ratio`` is then median(answer's run) / median(exhaustive best run), the
+  answer's run being the ``mxdb`` run (winner) or the ``baseline`` run (FlagGems' choice), and
+  ``winner_quality_ratio`` is the winner's own ratio whichever is dispatched;
 - each sweep file's ``best`` is the config with the smallest median among its timed rows, and
   the ``exhaustive_gemm1``/``exhaustive_gemm2`` runs time exactly those configs.
 
@@ -20,6 +26,7 @@ The audit recomputes every figure; a mismatch is a finding.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from collections.abc import Mapping
@@ -30,7 +37,9 @@ from mxdb.evidence import stats
 
 TUNING_COST_NAME = "tuning_cost.json"
 SCHEMA = "mxdb.tuning-cost"
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"
+#: Versions this module reads: 1.0 (the mxdb run's ratio), 1.1 (mxdb's answer's ratio).
+SCHEMA_VERSIONS = ("1.0", "1.1")
 TARGET_QUALITY = 1.01
 TARGET_GPU_FRACTION = 0.10
 REL_TOL = 1e-9
@@ -75,12 +84,13 @@ def recompute_point(
     ctl = _med(runs.get(ids.get("control", "")))
     ex_s = float(sum(point["exhaustive"]["time_call_wall_s"]))
     mx_s = float(sum(point["mxdb"]["time_call_wall_s"]))
+    quality = mx / timed[best] if (best and mx) else None
     out: dict[str, Any] = {
         "exhaustive_best": best,
         "exhaustive_best_median_us": timed.get(best) if best else None,
         "mxdb_median_us": mx,
         "baseline_median_us": base,
-        "quality_ratio": mx / timed[best] if (best and mx) else None,
+        "quality_ratio": quality,
         "exhaustive_gpu_seconds": ex_s,
         "mxdb_gpu_seconds": mx_s,
         "gpu_time_fraction": mx_s / ex_s if ex_s > 0 else None,
@@ -96,11 +106,30 @@ def recompute_point(
     out["dispatched"] = dispatched
     d_med = mx if dispatched == "mxdb" else base
     out["dispatched_quality_ratio"] = d_med / timed[best] if (best and d_med) else None
+    comparison = point["mxdb"].get("comparison")
+    if comparison is not None:
+        out["answer"] = mxdb_answer(comparison)
+        out["winner_quality_ratio"] = quality
+        a_med = mx if out["answer"] == "winner" else base
+        out["quality_ratio"] = a_med / timed[best] if (best and a_med) else None
     q, f = out["quality_ratio"], out["gpu_time_fraction"]
     out["meets_target"] = bool(
         q is not None and f is not None and q <= TARGET_QUALITY and f <= TARGET_GPU_FRACTION
     )
     return out
+
+
+def mxdb_answer(comparison: Mapping[str, Any]) -> str:
+    """ "winner" or "baseline": mxdb's dispatch rule on the samples of its own final comparison."""
+    win = [float(x) for x in comparison.get("winner_samples_us") or []]
+    base = [float(x) for x in comparison.get("baseline_samples_us") or []]
+    ctl = comparison.get("control_samples_us") or [[], []]
+    a, b = ([float(x) for x in c] for c in ctl)
+    if not (comparison.get("winner_config_hash") and win and base and a and b):
+        return "baseline"
+    band = stats.pair_noise(stats.median(a), stats.median(b))
+    speedup = stats.speedup(stats.median(base), stats.median(win))
+    return "winner" if speedup - 1.0 > band else "baseline"
 
 
 def build_tuning_cost(
@@ -116,15 +145,25 @@ def build_tuning_cost(
         fig = recompute_point(p, runs)
         n = sum(_sweep_best(sweeps[rel])[1] for rel in p["exhaustive"]["sweeps"])
         out_points.append({**p, **fig, "exhaustive_configs_timed": n})
+    versioned = any("comparison" in p["mxdb"] for p in points)
+    quality_def = (
+        "median(answer run samples) / median(exhaustive best run samples), both from one final "
+        "interleaved CUDA-graph timing; the answer is what mxdb dispatches after its search: "
+        "its winner if, in the search's own final comparison (mxdb.comparison), the winner "
+        "beats FlagGems' choice by more than the control pair's noise band, else FlagGems' "
+        "choice (the baseline run); winner_quality_ratio is the winner's ratio either way"
+        if versioned
+        else "median(mxdb run samples) / median(exhaustive best run samples), both from one "
+        "final interleaved CUDA-graph timing"
+    )
     qs = [p["quality_ratio"] for p in out_points if p["quality_ratio"]]
     fs = [p["gpu_time_fraction"] for p in out_points if p["gpu_time_fraction"] is not None]
     return {
         "schema": SCHEMA,
-        "schema_version": SCHEMA_VERSION,
+        "schema_version": SCHEMA_VERSION if versioned else "1.0",
         "definitions": {
             **definitions,
-            "quality_ratio": "median(mxdb run samples) / median(exhaustive best run samples), "
-            "both from one final interleaved CUDA-graph timing",
+            "quality_ratio": quality_def,
             "target": f"quality_ratio <= {TARGET_QUALITY} and gpu_time_fraction <= "
             f"{TARGET_GPU_FRACTION}",
         },
@@ -154,7 +193,7 @@ def check_tuning_cost(
 ) -> None:
     """Recompute every figure of ``doc`` from the bundle's runs and sweep files."""
     rel = TUNING_COST_NAME
-    if doc.get("schema") != SCHEMA or doc.get("schema_version") != SCHEMA_VERSION:
+    if doc.get("schema") != SCHEMA or doc.get("schema_version") not in SCHEMA_VERSIONS:
         sink.add(
             "tuning_cost.schema",
             rel,
@@ -183,7 +222,33 @@ def check_tuning_cost(
                     "the claim names runs the bundle does not hold",
                 )
                 continue
+            if doc.get("schema_version") != "1.0" and "comparison" not in p["mxdb"]:
+                sink.add(
+                    "tuning_cost.invalid",
+                    rel,
+                    f"{where}.mxdb.comparison",
+                    "mxdb's final comparison",
+                    None,
+                    "a 1.1 claim must carry the samples that decide mxdb's answer",
+                )
+                continue
             fig = recompute_point(p, runs)
+            recorded = p["exhaustive"].get("recorded_in")
+            if recorded is not None:
+                # reused sweeps: the bundle's copies must be the files the run recorded
+                found = [
+                    hashlib.sha256(contents[s]).hexdigest() if s in contents else None
+                    for s in p["exhaustive"]["sweeps"]
+                ]
+                if found != list(recorded.get("sweep_sha256") or []):
+                    sink.add(
+                        "tuning_cost.sweep_source",
+                        rel,
+                        f"{where}.exhaustive.recorded_in.sweep_sha256",
+                        found,
+                        recorded.get("sweep_sha256"),
+                        "the sweep files differ from the recorded run's",
+                    )
             for sweep_rel, label in zip(
                 p["exhaustive"]["sweeps"], ("exhaustive_gemm1", "exhaustive_gemm2"), strict=True
             ):

@@ -36,6 +36,10 @@ KNOWN_VERSIONS: dict[str, tuple[str, ...]] = {
     "mxdb.signature": ("1.0",),
     "mxdb.store-export": ("1.0",),
     "mxdb.compile-survey": ("1.0",),
+    "mxdb.decode": ("1.0",),
+    "mxdb.peers": ("1.0",),
+    "mxdb.lean-layer": ("1.0",),
+    "mxdb.self-healing": ("1.0",),
 }
 
 RunRole = Literal["baseline", "candidate", "control", "peer"]

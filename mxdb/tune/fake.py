@@ -103,6 +103,9 @@ class FakeBackend:
         device_name: str = "FAKE_H200",
         sleep_per_time_call_s: float = 0.0,
         baseline: KernelConfig | None = None,
+        overhead_s: float = OVERHEAD_S,
+        calls_per_sample: int = 1,
+        compile_startup_s: float = 0.0,
     ) -> None:
         self.seed = seed
         self.noise = noise
@@ -113,6 +116,12 @@ class FakeBackend:
         # real seconds slept per time() call: lets process tests kill a worker mid-point
         self.sleep_per_time_call_s = sleep_per_time_call_s
         self._baseline = baseline
+        # GPU seconds per config timed beyond its replays (an H200 spends ~20 ms on pipeline
+        # set-up, the correctness pre-check and graph capture), and layer calls per sample
+        self.overhead_s = overhead_s
+        self.calls_per_sample = calls_per_sample
+        # real seconds the first compile() call sleeps: a compile pool starting up
+        self.compile_startup_s = compile_startup_s
         self.counters = FakeCounters()
 
     # -- the Backend protocol -------------------------------------------------------------
@@ -150,6 +159,8 @@ class FakeBackend:
 
     def compile(self, shape: MoEShape, configs: Sequence[KernelConfig]) -> list[CompileResult]:
         c = self.counters
+        if c.compile_calls == 0 and self.compile_startup_s:
+            _time.sleep(self.compile_startup_s)
         c.compile_calls += 1
         c.configs_compiled += len(configs)
         c.compile_seconds += COMPILE_S * math.ceil(len(configs) / COMPILE_WORKERS)
@@ -199,8 +210,9 @@ class FakeBackend:
                 continue
             samples = tuple(float(truth * draws[r, j]) for r in range(reps))
             c.configs_timed += 1
-            c.layer_calls += reps + OVERHEAD_CALLS
-            c.gpu_seconds += (sum(samples) + OVERHEAD_CALLS * truth) * 1e-6 + OVERHEAD_S
+            k = self.calls_per_sample
+            c.layer_calls += reps * k + OVERHEAD_CALLS
+            c.gpu_seconds += (sum(samples) * k + OVERHEAD_CALLS * truth) * 1e-6 + self.overhead_s
             final.append(Timing(status="ok", samples_us=samples, error=None))
         return final
 
@@ -211,7 +223,9 @@ class FakeBackend:
         c.check_calls += 1
         t = THRESHOLDS[shape.dtype]
         counts = _counts(topk_ids, shape.experts)
-        c.gpu_seconds += 3 * self.true_us(shape, counts, config) * 1e-6 + 10 * OVERHEAD_S
+        c.gpu_seconds += (
+            3 * self.true_us(shape, counts, config) * 1e-6 + self.overhead_s + 9 * OVERHEAD_S
+        )
         status, _ = self._static_failure(shape, config)
         if status == "wrong":
             max_abs, rel = 0.75, 0.4

@@ -228,10 +228,16 @@ def work(
     worker = worker or f"{os.uname().nodename}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
     space_cache: dict[tuple[int, ...], SearchSpace] = {}
     n = 0
+    warm = False
     while deadline is None or time.time() < deadline:
         claim = store.claim_point(job, worker, lease_s)
         if claim is None:
             break
+        if not warm:
+            # start the compile pool before the first point's budget starts counting: its
+            # start-up (spawning workers, importing the compiler) belongs to no point
+            warm_up(backend, Point.from_payload(claim.payload).shape)
+            warm = True
         stop = threading.Event()
         beat = threading.Thread(target=_heartbeat, args=(store, claim, lease_s, stop), daemon=True)
         beat.start()
@@ -247,6 +253,21 @@ def work(
             if on_done is not None:
                 on_done()
     return n
+
+
+def warm_up(backend: Backend, shape: MoEShape) -> float:
+    """Start the backend's compile machinery; returns the seconds it took.
+
+    Calls the backend's optional ``warm_up()`` and compiles FlagGems' choice for ``shape`` (the
+    baseline every point times anyway), so that a worker's first point does not pay for the
+    compile pool's start-up out of its own budget.
+    """
+    t0 = time.monotonic()
+    hook = getattr(backend, "warm_up", None)
+    if callable(hook):
+        hook()
+    backend.compile(shape, [backend.baseline_config(shape)])
+    return time.monotonic() - t0
 
 
 def _heartbeat(store: Store, claim: Claim, lease_s: float, stop: threading.Event) -> None:

@@ -182,11 +182,14 @@ def search(
 
     # 1. resource proxy over the uniform grid and the seeds
     seeds = [c for c in (*point.peer_seeds,) if c.hash != baseline.hash]
-    pool = _dedup([*space.uniform(), *seeds])
+    # FlagGems' choice enters rung 0 too: it is often near the optimum, and when it ranks
+    # first the joint refinement hill-climbs from it (it never wins itself: the finalists
+    # exclude it, being the baseline they are compared with)
+    pool = _dedup([*space.uniform(), *seeds, baseline])
     if options.max_candidates is not None and len(pool) > options.max_candidates:
         rng = np.random.default_rng(point.seed)
         keep = set(rng.choice(len(pool), size=options.max_candidates, replace=False).tolist())
-        seed_hashes = {c.hash for c in seeds}
+        seed_hashes = {c.hash for c in seeds} | {baseline.hash}
         pool = [c for i, c in enumerate(pool) if i in keep or c.hash in seed_hashes]
     kept, dropped = space.prune(pool)
     for p in dropped:
@@ -214,8 +217,10 @@ def search(
     if options.joint and ranking_cfgs and budget.left(RESERVE):
         # GEMM1 carries most of the layer's time, so the uniform ranking already screens it:
         # its pool is the best 1/eta of rung 0; GEMM2's pool is every config that ran
-        top = [by_hash[h].gemm1 for h in rung0[: max(options.finalists, len(rung0) // options.eta)]]
-        pools = {"gemm2": [by_hash[h].gemm1 for h in rung0], "gemm1": top}
+        n_top = max(options.finalists, len(rung0) // options.eta)
+        top = [by_hash[h].gemm1 for h in rung0[:n_top]]
+        n_pool2 = len(rung0) if options.gemm2_pool is None else max(n_top, options.gemm2_pool)
+        pools = {"gemm2": [by_hash[h].gemm1 for h in rung0[:n_pool2]], "gemm1": top}
         refined = _per_gemm(
             backend, space, point, options, ranking_cfgs[0], pools, rec, budget, method
         )
@@ -470,7 +475,7 @@ def _refine(
             for g in moves:
                 a1, a2 = (g, g2) if which == "gemm1" else (g1, g)
                 base_align = align_for(a1, a2)
-                for al in (base_align, base_align * 2):
+                for al in (base_align, base_align * 2) if options.align_moves else (base_align,):
                     if al > 256:
                         continue
                     c = KernelConfig(gemm1=a1, gemm2=a2, align_block=al)

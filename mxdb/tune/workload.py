@@ -113,6 +113,9 @@ class ReplayRouting(BaseModel):
         return v
 
 
+#: SearchOptions fields that enter a workload's content hash only when not at their default.
+_LATER_SEARCH_FIELDS = ("gemm2_pool", "align_moves")
+
 RoutingSource = Annotated[
     UniformRouting | ZipfRouting | HotRouting | ReplayRouting, Field(discriminator="kind")
 ]
@@ -138,6 +141,14 @@ class SearchOptions(BaseModel):
     finalists: int = Field(default=6, ge=1, le=16)
     replicates: int = Field(default=5, ge=1, le=50, description="replicates on replayed routing")
     replay_reps: int = Field(default=10, ge=3, le=1000, description="samples per replicate")
+    gemm2_pool: int | None = Field(
+        default=None,
+        ge=1,
+        description="GEMM2 screen: the best N of rung 0 as GEMM2 configs (None: all of rung 0)",
+    )
+    align_moves: bool = Field(
+        default=True, description="hill-climbing also tries twice the smallest alignment block"
+    )
     joint: bool = Field(default=True, description="refine GEMM1, GEMM2 and alignment separately")
     check_seed: int = 1234
 
@@ -229,6 +240,10 @@ class Workload(BaseModel):
     def content_hash(self) -> str:
         """SHA-256 (16 hex digits) of the workload's canonical JSON, ``base_dir`` left out."""
         data = self.model_dump(mode="json", exclude={"base_dir"})
+        # search knobs added later hash only when set, so existing jobs keep their names
+        for name in _LATER_SEARCH_FIELDS:
+            if data["search"].get(name) == SearchOptions.model_fields[name].default:
+                data["search"].pop(name, None)
         text = json.dumps(data, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 

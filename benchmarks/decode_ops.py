@@ -1,0 +1,225 @@
+"""Eager decode tokens/s and kernel launches per token, stock vs patched (GPU).
+
+Builds, from configs with seeded random weights (no downloads), a Qwen3-0.6B-sized dense model
+and a small Qwen3-MoE model (bf16, ``attn_implementation="eager"``), and decodes ``--steps``
+tokens for a batch of ``--batch`` prompts with the KV cache, in eager mode, for each variant:
+
+- ``stock``: the unpatched model;
+- one variant per op (``rms_norm``, ``add_rms_norm``, ``rope``, ``masked_softmax``, ``swiglu``,
+  and ``moe`` for the MoE model): that op alone routed through mxdb;
+- ``all``: every op routed.
+
+Routed ops run the fused Triton kernels (``--impl``; default ``fused``) through a dispatcher:
+``--db URL`` uses a store's verified entries (``mxdb.tune.decode``) under this host's
+fingerprint; without it every decision is forced to ``--impl``.  Each decode step is timed
+(wall clock, synchronized); launches are counted with the torch profiler (CUDA kernel launch
+calls) over ``--profile-steps`` steps.  The raw figures go into an audited evidence bundle
+(``mxdb.decode``, see :mod:`mxdb.evidence.decode`) in ``--out``.  Target (dense, ``all``):
+>= 1.5x tokens/s, <= 0.5x launches per token.
+
+    python benchmarks/decode_ops.py --out evidence/h200-decode-ops
+    mxdb audit evidence/h200-decode-ops
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mxdb.decision import Decision
+from mxdb.evidence.decode import model_doc, write_decode_bundle
+
+LAUNCH_NAMES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
+
+
+class Forced:
+    """A dispatcher that answers every decode op with one implementation."""
+
+    def __init__(self, impl: str) -> None:
+        self.decision = Decision(
+            config={"impl": impl}, level="exact", confidence=1.0, reason="exact_match"
+        )
+
+    def dispatch(self, shape: Any, routing: Any = None) -> Decision:
+        if shape.op == "fused_moe":
+            from mxdb.decision import fallback
+
+            return fallback("no_entry")
+        return self.decision
+
+
+def dense_config() -> Any:
+    import transformers
+
+    return transformers.Qwen3Config(
+        vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
+        tie_word_embeddings=True, attn_implementation="eager",
+    )  # fmt: skip
+
+
+def moe_config() -> Any:
+    import transformers
+
+    return transformers.Qwen3MoeConfig(
+        vocab_size=32000, hidden_size=1024, intermediate_size=3072, moe_intermediate_size=384,
+        num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+        num_experts=32, num_experts_per_tok=4, max_position_embeddings=4096,
+        attn_implementation="eager",
+    )  # fmt: skip
+
+
+def build(cfg: Any, dtype: torch.dtype) -> Any:
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.02)
+    return model.to("cuda").eval()
+
+
+@torch.no_grad()
+def decode(model: Any, ids: torch.Tensor, steps: int) -> tuple[list[float], list[torch.Tensor]]:
+    """Prefill, then ``steps`` greedy decode steps; wall seconds and logits of each step."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    out = model(ids, past_key_values=cache, use_cache=True)
+    tok = out.logits[:, -1:].argmax(-1)
+    times, logits = [], []
+    pos = ids.shape[1]
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = model(
+            tok,
+            past_key_values=cache,
+            use_cache=True,
+            cache_position=torch.tensor([pos], device=ids.device),
+        )
+        tok = out.logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        logits.append(out.logits[:, -1].float())
+        pos += 1
+    return times, logits
+
+
+@torch.no_grad()
+def count_launches(model: Any, ids: torch.Tensor, steps: int) -> int:
+    from torch.profiler import ProfilerActivity, profile
+
+    decode(model, ids, 2)  # warm (compilation, caches) outside the profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        decode(model, ids, steps)
+    launches = sum(e.count for e in prof.key_averages() if e.key in LAUNCH_NAMES)
+    # prefill is in the profile too: subtract one profiled prefill
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof0:
+        decode(model, ids, 0)
+    launches -= sum(e.count for e in prof0.key_averages() if e.key in LAUNCH_NAMES)
+    return int(launches)
+
+
+def run_model(name: str, cfg: Any, args: argparse.Namespace, dispatcher: Any) -> dict[str, Any]:
+    from mxdb.integrations import transformers as mxt
+
+    dtype = torch.bfloat16
+    model = build(cfg, dtype)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, cfg.vocab_size, (args.batch, args.prompt_len), generator=g).cuda()
+    is_moe = "moe" in name
+    ops = ["rms_norm", "add_rms_norm", "rope", "masked_softmax", "swiglu"]
+    if is_moe:
+        ops.append("moe")
+    variants_ops = [("stock", []), *((op, [op]) for op in ops), ("all", ops)]
+    decode(model, ids, 4)  # warm up the stock model
+    stock_times, stock_logits = decode(model, ids, args.steps)
+    variants = []
+    for vname, vops in variants_ops:
+        if vops:
+            mxt.patch(model, dispatcher=dispatcher, ops=vops)
+            decode(model, ids, 4)  # compile the kernels
+            times, logits = decode(model, ids, args.steps)
+        else:
+            times, logits = stock_times, stock_logits
+        launches = count_launches(model, ids, args.profile_steps)
+        diff = max((a - b).abs().max().item() for a, b in zip(stock_logits, logits, strict=True))
+        if vops:
+            mxt.unpatch(model)
+        variants.append(
+            {
+                "name": vname,
+                "ops": vops,
+                "step_s": times,
+                "launches": launches,
+                "profiled_steps": args.profile_steps,
+                "max_abs_logit_diff": diff if vops else None,
+            }
+        )
+        print(
+            f"{name:10s} {vname:15s} {args.batch / sorted(times)[len(times) // 2]:9.1f} tok/s "
+            f"{launches / args.profile_steps:8.1f} launches/step  max|dlogit| {diff:.4f}",
+            flush=True,
+        )
+    config = {k: getattr(cfg, k) for k in ("hidden_size", "num_hidden_layers", "vocab_size")}
+    config["moe"] = is_moe
+    doc = model_doc(
+        name=name,
+        config=config,
+        dtype="bf16",
+        batch=args.batch,
+        prompt_len=args.prompt_len,
+        variants=variants,
+    )
+    del model
+    torch.cuda.empty_cache()
+    return doc
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True, help="evidence bundle directory (new)")
+    ap.add_argument("--db", default=None, help="store URL with tuned decode entries")
+    ap.add_argument("--impl", default="fused", choices=["fused", "flaggems", "torch"])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--profile-steps", type=int, default=8)
+    ap.add_argument("--models", default="dense,moe")
+    args = ap.parse_args()
+
+    from mxdb.kernels.live import live_fingerprint_components
+
+    from mxdb.fingerprint import collect
+
+    fp = collect(live_fingerprint_components(0))
+    if args.db:
+        from mxdb.dispatcher import Dispatcher
+        from mxdb.store import Store
+
+        dispatcher: Any = Dispatcher(Store.open(args.db), fp)
+    else:
+        dispatcher = Forced(args.impl)
+    models = []
+    wanted = set(args.models.split(","))
+    if "dense" in wanted:
+        models.append(run_model("qwen3-0.6b-random", dense_config(), args, dispatcher))
+    if "moe" in wanted:
+        models.append(run_model("qwen3-moe-small-random", moe_config(), args, dispatcher))
+    root = write_decode_bundle(
+        args.out, fingerprint=fp, milestone="decode-ops", cases=[], models=models
+    )
+    for m in models:
+        print(m["name"], json.dumps(m["claims"].get("all")), "meets_target:", m["meets_target"])
+    print(f"wrote {root}; audit it with: mxdb audit {root}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""The audit of a lean-layer claim (``lean_layer.json``): every figure from its raw samples.
+
+Per point: every sample a finite positive number, the shape that of the family at M, the
+config hash that of the config, the correctness verdict that of the errors against the dtype's
+thresholds.  Then every figure is recomputed with
+:func:`mxdb.evidence.lean_layer.build_lean_layer` (the writer's own function) from the point's
+samples and compared leaf by leaf within the audit's tolerance, and each target's threshold,
+measured value and verdict are checked (a "pass" for a missed target is a finding).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from mxdb.audit.peers import Path_, _Sink, check_targets, compare_claims
+from mxdb.configs import config_hash
+from mxdb.evidence import stats
+from mxdb.evidence.lean_layer import DECODE_MAX_TOKENS, SERIES, TARGETS, build_lean_layer
+from mxdb.evidence.thresholds import THRESHOLDS, passes
+from mxdb.shapes import preset_shape
+
+_POINT_CODES: dict[str, str] = {
+    "median_us": "median_mismatch",
+    "p90_us": "median_mismatch",
+    "eager_over_graph_layer": "ratio_mismatch",
+    "eager_over_graph_layer_graphs": "ratio_mismatch",
+    "synced_over_graph_layer": "ratio_mismatch",
+    "eager_speedup_layer_over_fused_experts_impl": "ratio_mismatch",
+    "synced_speedup_layer_over_fused_experts_impl": "ratio_mismatch",
+    "host_speedup_layer_over_fused_experts_impl": "ratio_mismatch",
+}
+
+
+def _code(path: Path_) -> str:
+    if path[:1] == ("points",) and len(path) >= 3:
+        return "lean_layer." + _POINT_CODES.get(str(path[2]), "field_mismatch")
+    if path[:1] == ("figures",) and len(path) >= 2:
+        key = str(path[1])
+        return "lean_layer." + ("count_mismatch" if key.startswith("n_") else "geomean_mismatch")
+    return "lean_layer.field_mismatch"
+
+
+def _point_problems(sink: _Sink, rel: str, i: int, p: Mapping[str, Any]) -> bool:
+    where = f"points[{i}]"
+    bad = False
+    for name in SERIES:
+        samples = p["samples"][name]
+        invalid = [j for j, x in enumerate(samples) if not stats.valid_sample(x)]
+        if invalid:
+            j = invalid[0]
+            sink.add(
+                "lean_layer.sample_invalid",
+                rel,
+                f"{where}.samples.{name}[{j}]",
+                "a finite positive number of microseconds",
+                samples[j],
+                f"{len(invalid)} invalid timing sample(s)",
+            )
+            bad = True
+    for key, x in p["host_us"].items():
+        if not stats.valid_sample(x):
+            sink.add(
+                "lean_layer.sample_invalid",
+                rel,
+                f"{where}.host_us.{key}",
+                "a finite positive number of microseconds",
+                x,
+                "invalid host time",
+            )
+            bad = True
+    try:
+        want = preset_shape(p["family"], p["tokens"], p["shape"]["dtype"]).to_dict()
+    except Exception:  # an unknown family or dtype: no shape can match
+        want = {"family": p["family"], "tokens": p["tokens"]}
+    if want != p["shape"]:
+        sink.add(
+            "lean_layer.shape_mismatch",
+            rel,
+            f"{where}.shape",
+            want,
+            p["shape"],
+            "the shape is not that of the family at this token count",
+        )
+    try:
+        h = config_hash(p["config"])
+    except Exception as exc:  # a config that cannot be hashed is a finding, not a crash
+        h = f"no hash ({type(exc).__name__})"
+    if h != p["config_hash"]:
+        sink.add(
+            "lean_layer.config_hash_mismatch",
+            rel,
+            f"{where}.config_hash",
+            h,
+            p["config_hash"],
+            "config_hash is not the hash of the config",
+        )
+    c = p["correctness"]
+    dtype = p["shape"]["dtype"]
+    t = THRESHOLDS.get(dtype)
+    if t is not None:
+        want_c = {
+            "threshold_abs": t.max_abs,
+            "threshold_rel": t.max_rel,
+            "passed": passes(dtype, c["max_abs_err"], c["rel_err"]),
+        }
+        for key, exp in want_c.items():
+            if c[key] != exp:
+                sink.add(
+                    "lean_layer.correctness_mismatch",
+                    rel,
+                    f"{where}.correctness.{key}",
+                    exp,
+                    c[key],
+                    "correctness is not the verdict of its errors against the dtype's table",
+                )
+    return bad
+
+
+def check_lean_layer(
+    sink: _Sink, rel: str, doc: Mapping[str, Any], tol: tuple[float, float]
+) -> None:
+    """Audit one ``lean_layer.json``: samples, inputs, figures and targets."""
+    if sink.fp_hash is not None and doc["fingerprint_hash"] != sink.fp_hash:
+        sink.add(
+            "lean_layer.fingerprint_mismatch",
+            rel,
+            "fingerprint_hash",
+            sink.fp_hash,
+            doc["fingerprint_hash"],
+            "the claim names another environment than the bundle's fingerprint",
+        )
+    if doc["decode_max_tokens"] != DECODE_MAX_TOKENS:
+        sink.add(
+            "lean_layer.field_mismatch",
+            rel,
+            "decode_max_tokens",
+            DECODE_MAX_TOKENS,
+            doc["decode_max_tokens"],
+            "decode points are those with M at most 16",
+        )
+    bad = False
+    for i, p in enumerate(doc["points"]):
+        bad |= _point_problems(sink, rel, i, p)
+    if bad:
+        return  # figures of invalid samples cannot be recomputed
+    recomputed = build_lean_layer(
+        doc["points"],
+        milestone=doc["milestone"],
+        fingerprint_hash=doc["fingerprint_hash"],
+        decode_max_tokens=doc["decode_max_tokens"],
+        profile=doc["profile"],
+        errors=doc["errors"],
+    )
+    claimed = {k: v for k, v in doc.items() if k != "targets"}
+    recomputed.pop("targets")
+    compare_claims(sink, rel, claimed, recomputed, _code, tol)
+    check_targets(sink, rel, "lean_layer", doc["targets"], TARGETS, recomputed["figures"], tol)

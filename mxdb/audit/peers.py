@@ -1,0 +1,314 @@
+"""The audit of a peers claim (``peers.json``): every figure recomputed from the runs' samples.
+
+Each point's runs must be in the bundle with the role of their label, the point's token count
+and trace, and the control pair must time config (c).  The figures are then recomputed with
+:func:`mxdb.evidence.peers.build_peers` (the writer's own function, on the runs' raw samples)
+and compared leaf by leaf within the audit's tolerance; each target's threshold must be
+mxdb's, its measured value the recomputed figure and its verdict that of the value against
+the threshold (a "pass" for a missed target is a finding).  Also the shared helpers the
+lean-layer audit uses: :func:`compare_claims` and :func:`check_targets`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
+
+from mxdb.evidence.peers import (
+    DECODE_MAX_TOKENS,
+    LABELS,
+    ROLES,
+    TARGETS,
+    TargetSpec,
+    build_peers,
+    judge,
+)
+from mxdb.shapes import preset_shape
+
+Path_ = tuple[str | int, ...]
+
+
+class _Sink(Protocol):
+    fp_hash: str | None
+
+    def add(self, check: str, file: str, field: str, expected: Any, found: Any, msg: str) -> None:
+        """Record one finding."""
+
+
+def _same(a: Any, b: Any, rel: float, abs_: float) -> bool:
+    from mxdb.audit.checks import _same as same
+
+    return same(a, b, rel, abs_)
+
+
+def _dotted(path: Path_) -> str:
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else p)
+    return out
+
+
+def compare_claims(
+    sink: _Sink,
+    rel: str,
+    claimed: Any,
+    recomputed: Any,
+    code_for: Callable[[Path_], str],
+    tol: tuple[float, float],
+    path: Path_ = (),
+) -> None:
+    """A finding for each leaf where the claim differs from its recomputation."""
+    if isinstance(claimed, dict) and isinstance(recomputed, dict):
+        for k in sorted(set(claimed) | set(recomputed)):
+            sub = (*path, k)
+            if k not in claimed or k not in recomputed:
+                sink.add(
+                    code_for(sub),
+                    rel,
+                    _dotted(sub),
+                    recomputed.get(k, "no field"),
+                    claimed.get(k, "no field"),
+                    "a claimed figure is missing" if k not in claimed else "an unknown field",
+                )
+            else:
+                compare_claims(sink, rel, claimed[k], recomputed[k], code_for, tol, sub)
+        return
+    if (
+        isinstance(claimed, list)
+        and isinstance(recomputed, list)
+        and len(claimed) == len(recomputed)
+    ):
+        for i, (c, r) in enumerate(zip(claimed, recomputed, strict=True)):
+            compare_claims(sink, rel, c, r, code_for, tol, (*path, i))
+        return
+    if not _same(claimed, recomputed, *tol):
+        sink.add(
+            code_for(path),
+            rel,
+            _dotted(path),
+            recomputed,
+            claimed,
+            "claimed figure differs from its recomputation from the raw samples",
+        )
+
+
+def check_targets(
+    sink: _Sink,
+    rel: str,
+    prefix: str,
+    claimed: Sequence[Mapping[str, Any]],
+    specs: Sequence[TargetSpec],
+    figures: Mapping[str, Any],
+    tol: tuple[float, float],
+) -> None:
+    """Targets: present, with mxdb's threshold, the recomputed value and the right verdict."""
+    by_name: dict[str, tuple[int, Mapping[str, Any]]] = {}
+    for i, t in enumerate(claimed):
+        by_name[str(t.get("name"))] = (i, t)
+    known = {s.name for s in specs}
+    for name, (i, _) in sorted(by_name.items()):
+        if name not in known:
+            sink.add(
+                f"{prefix}.target_missing",
+                rel,
+                f"targets[{i}].name",
+                " or ".join(sorted(known)),
+                name,
+                "a target mxdb does not define",
+            )
+    for spec in specs:
+        if spec.name not in by_name:
+            sink.add(
+                f"{prefix}.target_missing",
+                rel,
+                "targets",
+                spec.name,
+                "no such target",
+                "a target of this claim is not reported",
+            )
+            continue
+        i, t = by_name[spec.name]
+        where = f"targets[{i}]"
+        for key in ("figure", "comparison", "threshold"):
+            want = getattr(spec, key)
+            if not _same(t.get(key), want, *tol):
+                sink.add(
+                    f"{prefix}.target_threshold_mismatch",
+                    rel,
+                    f"{where}.{key}",
+                    want,
+                    t.get(key),
+                    f"target {spec.name}'s {key} is not mxdb's",
+                )
+        measured = figures.get(spec.figure)
+        value = None if measured is None else float(measured)
+        if not _same(t.get("measured"), value, *tol):
+            sink.add(
+                f"{prefix}.target_measured_mismatch",
+                rel,
+                f"{where}.measured",
+                value,
+                t.get("measured"),
+                f"target {spec.name}'s measured value is not the recomputed {spec.figure}",
+            )
+        verdict = judge(spec.comparison, value, spec.threshold)
+        if t.get("passed") is not verdict:
+            op = ">=" if spec.comparison == "ge" else "<="
+            sink.add(
+                f"{prefix}.target_verdict_mismatch",
+                rel,
+                f"{where}.passed",
+                verdict,
+                t.get("passed"),
+                f"target {spec.name} is {'met' if verdict else 'missed'}: "
+                f"{value} {op} {spec.threshold} is {verdict}",
+            )
+
+
+_POINT_CODES: dict[str, str] = {
+    "median_us": "median_mismatch",
+    "eager_median_us": "median_mismatch",
+    "noise_band": "noise_band_mismatch",
+    "floor_us": "floor_mismatch",
+    "active_experts": "floor_mismatch",
+    "floor_fraction_a": "ratio_mismatch",
+    "floor_fraction_b": "ratio_mismatch",
+    "floor_fraction_c": "ratio_mismatch",
+    "speedup_c_over_a": "ratio_mismatch",
+    "speedup_c_over_b": "ratio_mismatch",
+    "speedup_c_over_d": "ratio_mismatch",
+    "eager_speedup_layer_over_fused_experts_impl": "ratio_mismatch",
+    "eager_over_graph_layer": "ratio_mismatch",
+    "winner": "flag_mismatch",
+    "c_differs_from_d": "flag_mismatch",
+    "c_slower_than_a": "flag_mismatch",
+    "c_slower_than_b": "flag_mismatch",
+}
+
+
+def _peers_code(path: Path_) -> str:
+    if path[:1] == ("points",) and len(path) >= 3:
+        return "peers." + _POINT_CODES.get(str(path[2]), "field_mismatch")
+    if path[:1] == ("figures",) and len(path) >= 2:
+        key = str(path[1])
+        return "peers." + ("geomean_mismatch" if "geomean" in key else "count_mismatch")
+    return "peers.field_mismatch"
+
+
+def _point_problems(
+    sink: _Sink,
+    rel: str,
+    i: int,
+    p: Mapping[str, Any],
+    runs: Mapping[str, Mapping[str, Any]],
+    traces: Mapping[str, Mapping[str, Any]],
+) -> bool:
+    """Report a point whose runs cannot support it; True when it has a problem."""
+    where = f"points[{i}]"
+    ids = p["runs"]
+    bad = False
+    for lab in LABELS:
+        rid = ids.get(lab)
+        if rid is None:
+            continue
+        run = runs.get(rid)
+        timing = (run or {}).get("timing") or {}
+        if run is None or not timing.get("samples_us"):
+            sink.add(
+                "peers.run_missing",
+                rel,
+                f"{where}.runs.{lab}",
+                f"run {rid} with timing samples",
+                "absent" if run is None else f"status {run.get('status')}, no samples",
+                "a point names a run the bundle does not hold (or one without samples)",
+            )
+            bad = True
+            continue
+        problems: list[tuple[str, Any, Any]] = []
+        if run["role"] != ROLES[lab]:
+            problems.append(("role", ROLES[lab], run["role"]))
+        if run["shape"]["tokens"] != p["tokens"]:
+            problems.append(("shape.tokens", p["tokens"], run["shape"]["tokens"]))
+        if run.get("trace_hash") != p["trace_hash"]:
+            problems.append(("trace_hash", p["trace_hash"], run.get("trace_hash")))
+        try:
+            want = preset_shape(p["family"], p["tokens"], run["shape"]["dtype"]).to_dict()
+        except Exception:  # an unknown family: the shape cannot match
+            want = {"family": p["family"]}
+        if want != run["shape"]:
+            problems.append(("shape", want, run["shape"]))
+        if lab.startswith("ctl") and run["config_hash"] != runs.get(ids["c"], {}).get(
+            "config_hash"
+        ):
+            problems.append(("config_hash", "config (c)'s hash", run["config_hash"]))
+        for fld, exp, got in problems:
+            sink.add(
+                "peers.run_mismatch",
+                rel,
+                f"{where}.runs.{lab}",
+                f"{fld} {exp}",
+                f"{fld} {got} in run {rid}",
+                f"run {rid} does not measure this point as label ({lab})",
+            )
+            bad = True
+    if p["trace_hash"] not in traces:
+        sink.add(
+            "peers.run_missing",
+            rel,
+            f"{where}.trace_hash",
+            "a trace held by the bundle",
+            p["trace_hash"],
+            "a point names a trace the bundle does not hold",
+        )
+        bad = True
+    return bad
+
+
+def check_peers(
+    sink: _Sink,
+    rel: str,
+    doc: Mapping[str, Any],
+    runs: Mapping[str, Mapping[str, Any]],
+    traces: Mapping[str, Mapping[str, Any]],
+    tol: tuple[float, float],
+) -> None:
+    """Audit one ``peers.json`` against the bundle's runs and traces."""
+    if sink.fp_hash is not None and doc["fingerprint_hash"] != sink.fp_hash:
+        sink.add(
+            "peers.fingerprint_mismatch",
+            rel,
+            "fingerprint_hash",
+            sink.fp_hash,
+            doc["fingerprint_hash"],
+            "the claim names another environment than the bundle's fingerprint",
+        )
+    bad = False
+    for i, p in enumerate(doc["points"]):
+        bad |= _point_problems(sink, rel, i, p, runs, traces)
+    if bad:
+        return  # figures of points without their runs cannot be recomputed
+    active = {h: len({x for row in t["ids"] for x in row}) for h, t in traces.items()}
+    recomputed = build_peers(
+        doc["points"],
+        runs,
+        active,
+        milestone=doc["milestone"],
+        fingerprint_hash=doc["fingerprint_hash"],
+        bandwidth_bytes_per_s=doc["bandwidth_bytes_per_s"],
+        decode_max_tokens=doc["decode_max_tokens"],
+        dispatch_cost=doc["dispatch_cost"],
+        errors=doc["errors"],
+    )
+    if doc["decode_max_tokens"] != DECODE_MAX_TOKENS:
+        sink.add(
+            "peers.field_mismatch",
+            rel,
+            "decode_max_tokens",
+            DECODE_MAX_TOKENS,
+            doc["decode_max_tokens"],
+            "decode points are those with M at most 16",
+        )
+    claimed = {k: v for k, v in doc.items() if k != "targets"}
+    recomputed.pop("targets")
+    compare_claims(sink, rel, claimed, recomputed, _peers_code, tol)
+    check_targets(sink, rel, "peers", doc["targets"], TARGETS, recomputed["figures"], tol)

@@ -1,0 +1,1 @@
+"""Integrations of the dispatcher with model libraries (imported on demand, never by ``mxdb``)."""

@@ -1,0 +1,243 @@
+"""Peers evidence (``peers.json``): publish from raw output, audit, and findings on tampering."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mxdb.audit import CHECKS, audit_paths
+from mxdb.evidence.files import dumps
+from mxdb.evidence.peers import TARGETS, judge
+from mxdb.evidence.writer import write_manifest
+
+REPO = Path(__file__).resolve().parent.parent
+COMMITTED = REPO / "evidence" / "h200-peers"
+
+FP = {
+    "vendor": "nvidia",
+    "device_name": "NVIDIA H200",
+    "arch": "sm_90",
+    "sm_count": 132,
+    "smem_per_block": 232448,
+    "warp_size": 32,
+    "driver": "580.0",
+    "toolkit": "cuda-13.0",
+    "torch": "2.11.0",
+    "triton": "3.6.0",
+    "flag_gems": "5.0.2",
+    "kernel_source_hash": "0123456789abcdef",
+    "mxdb": "0.1.0",
+}
+
+
+def _gemm(bm: int, bn: int, bk: int, g: int, st: int) -> dict[str, int]:
+    return {
+        "block_m": bm,
+        "block_n": bn,
+        "block_k": bk,
+        "group_m": g,
+        "num_warps": 4,
+        "num_stages": st,
+    }
+
+
+def _cfg(g1: dict[str, int], g2: dict[str, int]) -> dict[str, Any]:
+    return {"gemm1": g1, "gemm2": g2, "align_block": 16}
+
+
+CFG_A = _cfg(_gemm(16, 128, 128, 1, 3), _gemm(16, 128, 128, 1, 3))
+CFG_B = _cfg(_gemm(16, 128, 128, 16, 5), _gemm(16, 128, 128, 16, 5))
+CFG_C = _cfg(_gemm(16, 128, 128, 16, 5), _gemm(16, 32, 256, 32, 4))
+CFG_D = _cfg(_gemm(16, 64, 128, 16, 4), _gemm(16, 32, 256, 32, 4))
+
+
+def _load(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", REPO / "benchmarks" / name)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _samples(rng: random.Random, center: float, n: int = 7) -> list[float]:
+    return [center * (1 + rng.uniform(-0.003, 0.003)) for _ in range(n)]
+
+
+def _raw() -> dict[str, Any]:
+    """A small peers.py raw output: two points, one where routing changes mxdb's choice."""
+    rng = random.Random(7)
+    points = []
+    for tokens, routing, with_d in ((1, "uniform", False), (4, "zipf", True)):
+        ids = [[rng.randrange(8) for _ in range(2)] for _ in range(tokens)]
+        ids = [[r[0], (r[0] + 1) % 8] for r in ids]  # top-k ids are distinct per token
+        cfgs = {"a": CFG_A, "b": CFG_B, "c": CFG_C}
+        centers = {"a": 200.0, "b": 185.0, "c": 180.0, "ctl1": 180.0, "ctl2": 180.2}
+        if with_d:
+            cfgs["d"] = CFG_D
+            centers["d"] = 175.0  # the routing-oblivious choice wins here: a missed target
+        points.append(
+            {
+                "family": "mixtral-8x7b",
+                "tokens": tokens,
+                "routing": routing,
+                "routing_params": {"s": 1.2} if routing == "zipf" else {},
+                "seed": tokens,
+                "routing_class": routing,
+                "ids": ids,
+                "configs": cfgs,
+                "reasons": {},
+                "correctness": {n: [0.01, 0.004, True] for n in centers},
+                "graph_us": {n: _samples(rng, c) for n, c in centers.items()},
+                "eager_us": {"a": _samples(rng, 420.0), "c": _samples(rng, 190.0)},
+                "reps": 7,
+                "calls_per_sample": 4,
+            }
+        )
+    return {
+        "fingerprint": FP,
+        "bandwidth_bytes_per_s": 4.2e12,
+        "points": points,
+        "errors": [],
+        "dispatch_cost": {"mixtral-8x7b": {"mxdb_dispatch_hit_us": 0.2, "flaggems_lookup_us": 17}},
+    }
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("peers")
+    raw = root / "raw.json"
+    raw.write_text(json.dumps(_raw()))
+    bundle = root / "h200-peers"
+    _load("peers.py").publish(raw, bundle)
+    return bundle
+
+
+@pytest.fixture
+def bundle(published: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "h200-peers"
+    shutil.copytree(published, dst)
+    return dst
+
+
+def _edit(root: Path, rel: str, change: Any) -> None:
+    """Change one document and re-manifest, so only the semantic checks can catch it."""
+    doc = json.loads((root / rel).read_text())
+    change(doc)
+    (root / rel).write_bytes(dumps(doc))
+    m = json.loads((root / "manifest.json").read_text())
+    write_manifest(root, bundle_id=m["bundle_id"], milestone=m["milestone"])
+
+
+def _checks(root: Path) -> set[str]:
+    res = audit_paths([root])
+    for f in res.findings:
+        assert f.check in CHECKS, f
+    return {f.check for f in res.findings}
+
+
+def test_published_bundle_passes_and_holds_every_figure(published: Path) -> None:
+    assert _checks(published) == set()
+    doc = json.loads((published / "peers.json").read_text())
+    assert doc["schema"] == "mxdb.peers" and doc["schema_version"] == "1.0"
+    assert [p["runs"]["d"] for p in doc["points"]] == [None, "mixtral-m4-zipf-d"]
+    assert doc["figures"]["points_routing_changes_dispatch"] == 1
+    assert doc["figures"]["n_points"] == 2
+    assert {t["name"] for t in doc["targets"]} == {t.name for t in TARGETS}
+    for t in doc["targets"]:
+        assert t["passed"] is judge(t["comparison"], t["measured"], t["threshold"])
+    # (c) at ~180 us against (a) at ~200 us: the ratio is the medians' ratio
+    p0 = doc["points"][0]
+    assert p0["speedup_c_over_a"] == p0["median_us"]["a"] / p0["median_us"]["c"]
+    assert "peers.json" in json.loads((published / "manifest.json").read_text())["files"]
+
+
+def test_tampered_sample_is_found(bundle: Path) -> None:
+    def bump(doc: dict[str, Any]) -> None:
+        doc["timing"]["samples_us"] = [x * 1.5 for x in doc["timing"]["samples_us"]]
+        doc["timing"]["median_us"] *= 1.5
+        doc["timing"]["p90_us"] *= 1.5
+
+    _edit(bundle, "runs/mixtral-m1-uniform-b.json", bump)
+    checks = _checks(bundle)
+    assert {"peers.median_mismatch", "peers.ratio_mismatch", "peers.geomean_mismatch"} <= checks
+
+
+def test_tampered_ratio_is_found(bundle: Path) -> None:
+    def inflate(doc: dict[str, Any]) -> None:
+        doc["points"][1]["speedup_c_over_b"] *= 1.01
+
+    _edit(bundle, "peers.json", inflate)
+    assert _checks(bundle) == {"peers.ratio_mismatch"}
+
+
+def test_tampered_eager_ratio_and_geomean_are_found(bundle: Path) -> None:
+    def inflate(doc: dict[str, Any]) -> None:
+        doc["points"][0]["eager_speedup_layer_over_fused_experts_impl"] = 3.0
+        doc["figures"]["decode_geomean_eager_over_graph"] = 1.0
+
+    _edit(bundle, "peers.json", inflate)
+    assert _checks(bundle) == {"peers.ratio_mismatch", "peers.geomean_mismatch"}
+
+
+def test_flipped_flag_and_count_are_found(bundle: Path) -> None:
+    def flip(doc: dict[str, Any]) -> None:
+        doc["points"][1]["c_differs_from_d"] = False
+        doc["figures"]["points_c_slower_than_b"] += 1
+
+    _edit(bundle, "peers.json", flip)
+    assert _checks(bundle) == {"peers.flag_mismatch", "peers.count_mismatch"}
+
+
+def test_pass_claimed_for_missed_target_is_found(bundle: Path) -> None:
+    doc = json.loads((bundle / "peers.json").read_text())
+    missed = [i for i, t in enumerate(doc["targets"]) if not t["passed"]]
+    assert missed, "the synthetic data misses at least one target (routing_aware_pays)"
+
+    def claim_pass(d: dict[str, Any]) -> None:
+        d["targets"][missed[0]]["passed"] = True
+
+    _edit(bundle, "peers.json", claim_pass)
+    res = audit_paths([bundle])
+    assert {f.check for f in res.findings} == {"peers.target_verdict_mismatch"}
+    assert res.findings[0].field == f"targets[{missed[0]}].passed"
+
+
+def test_moved_threshold_and_measured_are_found(bundle: Path) -> None:
+    def move(d: dict[str, Any]) -> None:
+        d["targets"][0]["threshold"] = 0.5
+        d["targets"][1]["measured"] = 9.0
+        del d["targets"][2]
+
+    _edit(bundle, "peers.json", move)
+    assert _checks(bundle) == {
+        "peers.target_threshold_mismatch",
+        "peers.target_measured_mismatch",
+        "peers.target_missing",
+    }
+
+
+def test_missing_run_and_wrong_role_are_found(bundle: Path) -> None:
+    (bundle / "runs" / "mixtral-m4-zipf-d.json").unlink()
+    m = json.loads((bundle / "manifest.json").read_text())
+    write_manifest(bundle, bundle_id=m["bundle_id"], milestone=m["milestone"])
+    assert "peers.run_missing" in _checks(bundle)
+
+    def swap(d: dict[str, Any]) -> None:
+        d["points"][0]["runs"]["b"] = d["points"][0]["runs"]["a"]
+
+    _edit(bundle, "peers.json", swap)
+    assert "peers.run_mismatch" in _checks(bundle)
+
+
+def test_committed_bundle_passes_audit() -> None:
+    assert audit_paths([COMMITTED]).findings == ()
+    doc = json.loads((COMMITTED / "peers.json").read_text())
+    assert doc["figures"]["n_points"] == 78
+    fp = json.loads((COMMITTED / "fingerprint.json").read_text())
+    assert doc["fingerprint_hash"] == fp["hash"]
