@@ -10,6 +10,14 @@ python3 -m venv .venv
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
 python -m pip install -q -e ".[dev]"
+# CPU torch and transformers for the integration tests (no GPU stack needed).
+if ! python -m pip install -q "torch==2.13.0" "transformers==5.24.0"; then
+  if [ "${MXDB_REQUIRE_TORCH:-0}" = 1 ]; then
+    echo "torch/transformers could not be installed and MXDB_REQUIRE_TORCH=1" >&2
+    exit 1
+  fi
+  echo "torch/transformers not installed: the integration tests will be skipped" >&2
+fi
 
 if [ -z "${MXDB_TEST_PG_URL:-}" ] && [ "${MXDB_SKIP_PG:-0}" != 1 ]; then
   if url=$(bash ci/postgres.sh | tail -n1) && [ -n "$url" ]; then
