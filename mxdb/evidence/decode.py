@@ -24,17 +24,14 @@ The dense model's ``all`` variant meets the target when ``speedup >= 1.5`` and
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Mapping, Sequence
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field
 
 from mxdb.evidence import stats
-from mxdb.evidence.files import atomic_write, dumps
-from mxdb.evidence.models import _HEX16, FingerprintDoc, _Doc
+from mxdb.evidence.models import _HEX16, _Doc
 from mxdb.evidence.thresholds import THRESHOLDS, passes
 from mxdb.models import Fingerprint
 
@@ -251,15 +248,8 @@ def write_decode_bundle(
 ) -> Path:
     """Write fingerprint.json, decode.json (validated), then the manifest, into empty ``root``."""
     from mxdb.errors import EvidenceError
-    from mxdb.evidence.writer import write_manifest
+    from mxdb.evidence.writer import write_document_bundle
 
-    root = Path(root)
-    if root.exists() and (not root.is_dir() or any(root.iterdir())):
-        raise EvidenceError(
-            f"cannot write a decode bundle to {root}: it exists and is not an empty directory; "
-            "choose a new directory"
-        )
-    root.mkdir(parents=True, exist_ok=True)
     for c in cases:
         if not passes(c["dtype"], 0.0, 0.0):  # the dtype must be one the table knows
             raise EvidenceError(f"case dtype {c['dtype']!r} has no thresholds")
@@ -269,11 +259,11 @@ def write_decode_bundle(
         cases=[CaseDoc.model_validate(c) for c in cases],
         models=[ModelDoc.model_validate(m) for m in models],
     )
-    fp_doc = FingerprintDoc(fingerprint=fingerprint, hash=fingerprint.hash)
-    atomic_write(root / "fingerprint.json", dumps(fp_doc.to_json_dict()))
-    atomic_write(root / DECODE_FILE, dumps(doc.to_json_dict()))
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    write_manifest(
-        root, bundle_id=f"{milestone}-{stamp}-{secrets.token_hex(3)}", milestone=milestone
+    return write_document_bundle(
+        root,
+        kind="decode",
+        fingerprint=fingerprint,
+        file_name=DECODE_FILE,
+        document=doc.to_json_dict(),
+        milestone=milestone,
     )
-    return root

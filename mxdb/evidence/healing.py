@@ -25,7 +25,6 @@ document; ``write_healing_bundle`` writes the bundle atomically.
 
 from __future__ import annotations
 
-import secrets
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
@@ -35,8 +34,7 @@ from pydantic import Field, ValidationError
 
 from mxdb.errors import EvidenceError
 from mxdb.evidence import stats
-from mxdb.evidence.files import atomic_write, dumps
-from mxdb.evidence.models import _HEX16, FingerprintDoc, _Doc
+from mxdb.evidence.models import _HEX16, _Doc
 from mxdb.models import Fingerprint
 
 HEALING_SCHEMA = "mxdb.self-healing"
@@ -338,25 +336,17 @@ def write_healing_bundle(
     out_dir: Path, doc: SelfHealingDoc, *, bundle_id: str | None = None
 ) -> Path:
     """Write fingerprint.json, self_healing.json and (last) manifest.json into an empty dir."""
-    from mxdb.evidence.writer import write_manifest
+    from mxdb.evidence.writer import write_document_bundle
 
-    root = Path(out_dir)
-    if root.exists() and (not root.is_dir() or any(root.iterdir())):
-        raise EvidenceError(
-            f"cannot write a self-healing bundle to {root}: it exists and is not an empty "
-            "directory; choose a new directory or remove the old bundle"
-        )
-    root.mkdir(parents=True, exist_ok=True)
-    fp_doc = FingerprintDoc(fingerprint=doc.fingerprint, hash=doc.fingerprint_hash)
-    atomic_write(root / "fingerprint.json", dumps(fp_doc.to_json_dict()))
-    atomic_write(root / HEALING_FILE, dumps(doc.to_json_dict()))
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    write_manifest(
-        root,
-        bundle_id=bundle_id or f"{doc.milestone}-{stamp}-{secrets.token_hex(3)}",
+    return write_document_bundle(
+        out_dir,
+        kind="self-healing",
+        fingerprint=doc.fingerprint,
+        file_name=HEALING_FILE,
+        document=doc.to_json_dict(),
         milestone=doc.milestone,
+        bundle_id=bundle_id,
     )
-    return root
 
 
 def medians(runs: Sequence[Mapping[str, Any]]) -> dict[str, float]:

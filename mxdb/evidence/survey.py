@@ -20,10 +20,8 @@ the document; ``write_survey_bundle`` writes the bundle atomically.
 from __future__ import annotations
 
 import itertools
-import secrets
 from collections import Counter
 from collections.abc import Mapping, Sequence
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,8 +29,7 @@ from pydantic import Field, ValidationError
 
 from mxdb.configs import GemmConfig
 from mxdb.errors import EvidenceError
-from mxdb.evidence.files import atomic_write, dumps
-from mxdb.evidence.models import _HEX16, _ID, FingerprintDoc, ShapeDoc, _Doc
+from mxdb.evidence.models import _HEX16, _ID, ShapeDoc, _Doc
 from mxdb.models import Fingerprint
 from mxdb.profiles import DeviceProfile, profile_for_device_name
 from mxdb.resources import VLLM_GRID, estimate
@@ -426,22 +423,14 @@ def write_survey_bundle(
     out_dir: Path, survey: CompileSurvey, *, bundle_id: str | None = None
 ) -> Path:
     """Write fingerprint.json, survey.json and (last) manifest.json into an empty ``out_dir``."""
-    from mxdb.evidence.writer import write_manifest
+    from mxdb.evidence.writer import write_document_bundle
 
-    root = Path(out_dir)
-    if root.exists() and (not root.is_dir() or any(root.iterdir())):
-        raise EvidenceError(
-            f"cannot write a survey bundle to {root}: it exists and is not an empty directory; "
-            "choose a new directory or remove the old bundle"
-        )
-    root.mkdir(parents=True, exist_ok=True)
-    fp_doc = FingerprintDoc(fingerprint=survey.fingerprint, hash=survey.fingerprint_hash)
-    atomic_write(root / "fingerprint.json", dumps(fp_doc.to_json_dict()))
-    atomic_write(root / SURVEY_FILE, dumps(survey.to_json_dict()))
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    write_manifest(
-        root,
-        bundle_id=bundle_id or f"{survey.milestone}-{stamp}-{secrets.token_hex(3)}",
+    return write_document_bundle(
+        out_dir,
+        kind="survey",
+        fingerprint=survey.fingerprint,
+        file_name=SURVEY_FILE,
+        document=survey.to_json_dict(),
         milestone=survey.milestone,
+        bundle_id=bundle_id,
     )
-    return root

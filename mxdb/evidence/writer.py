@@ -341,3 +341,37 @@ def build_summary(root: Path, *, bandwidth_bytes_per_s: float | None = None) -> 
         bandwidth_bytes_per_s=bandwidth_bytes_per_s,
         active_experts=active,
     )
+
+
+def write_document_bundle(
+    out_dir: Path,
+    *,
+    kind: str,
+    fingerprint: Fingerprint,
+    file_name: str,
+    document: Mapping[str, Any],
+    milestone: str,
+    bundle_id: str | None = None,
+) -> Path:
+    """Write a one-document bundle: fingerprint.json, ``file_name``, then (last) the manifest.
+
+    For evidence that is one claims document with its raw samples inside (a compile survey,
+    a self-healing run, a decode benchmark); ``out_dir`` must be new or empty.
+    """
+    root = Path(out_dir)
+    if root.exists() and (not root.is_dir() or any(root.iterdir())):
+        raise EvidenceError(
+            f"cannot write a {kind} bundle to {root}: it exists and is not an empty "
+            "directory; choose a new directory or remove the old bundle"
+        )
+    root.mkdir(parents=True, exist_ok=True)
+    fp_doc = FingerprintDoc(fingerprint=fingerprint, hash=fingerprint.hash)
+    atomic_write(root / "fingerprint.json", dumps(fp_doc.to_json_dict()))
+    atomic_write(root / file_name, dumps(dict(document)))
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    write_manifest(
+        root,
+        bundle_id=bundle_id or f"{milestone}-{stamp}-{secrets.token_hex(3)}",
+        milestone=milestone,
+    )
+    return root
