@@ -251,3 +251,126 @@ def test_dispatch_per_shape_picks_the_stored_impl(tmp_path: Path) -> None:
     assert state.router.calls[("rms_norm", "torch")] > 0
     assert state.patched["attention"] == 0 and state.patched["swiglu"] == 0
     mxt.unpatch(model)
+
+
+# -- per-module routing caches and the fused MLP residual -----------------------------------------
+
+
+def _counting_impls() -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """torch implementations under the name ``fused`` that record each op they run."""
+    ran: list[str] = []
+    base = torch_impls()
+
+    def counted(op: str) -> Any:
+        fn = base[op]
+
+        def run(*args: Any) -> Any:
+            ran.append(op)
+            return fn(*args)
+
+        return run
+
+    return {"fused": {op: counted(op) for op in base}}, ran
+
+
+@pytest.mark.parametrize("how", ["refresh", "poll", "override"])
+def test_store_change_after_patching_is_seen(tmp_path: Path, how: str) -> None:
+    """The per-module caches follow the dispatcher: refresh, a polled store change, overrides."""
+    model = _model("qwen3")
+    ids = _prompts(length=4)
+    with torch.no_grad():
+        ref = model(ids).logits
+    store = _store(tmp_path)
+    store.put_fingerprint(FP)
+    interval = 0.0 if how == "poll" else 60.0
+    d = Dispatcher(store, FP, DispatchOptions(refresh_interval=interval))
+    impls, ran = _counting_impls()
+    state = mxt.patch(model, dispatcher=d, impls=impls, ops=["rms_norm"])
+    with torch.no_grad():
+        model(ids)  # an empty store: every call runs the original code, and is cached so
+    assert ran == [] and set(state.router.calls) == {("rms_norm", "original")}
+    if how == "override":
+        from mxdb.decision import Decision
+
+        shape = next(s for s in state.router._shapes.values() if s.family == "n64")
+        decision = Decision(
+            config={"impl": "fused"}, level="exact", confidence=1.0, reason="exact_match"
+        )
+        d.set_override(shape, None, decision)
+    else:
+        store.add_entries(_entries_for(state.router, lambda op, fam: "fused"))
+        if how == "refresh":
+            d.refresh()
+    state.router.calls.clear()
+    with torch.no_grad():
+        out = model(ids).logits
+    assert torch.equal(out, ref)
+    n_norms = 2 * 4 + 1
+    if how == "override":  # the hidden-size norms only (2 per layer + final); q/k norms stay
+        assert state.router.calls[("rms_norm", "fused")] == 5
+        assert state.router.calls[("rms_norm", "original")] == n_norms - 5
+        d.set_override(shape, None, None)  # cleared: seen too
+        state.router.calls.clear()
+        with torch.no_grad():
+            model(ids)
+        assert set(state.router.calls) == {("rms_norm", "original")}
+    else:
+        assert state.router.calls == {("rms_norm", "fused"): n_norms}
+    mxt.unpatch(model)
+
+
+def test_mlp_residual_fuses_with_the_next_norm(tmp_path: Path) -> None:
+    """Layer i's MLP residual + layer i+1's input norm (and the last one's + the final norm)
+    are one add_rms_norm; the residual stream and the logits stay exactly the stock ones."""
+    model = _model("qwen3")
+    ids = _prompts(length=4)
+    with torch.no_grad():
+        ref = model(ids, output_hidden_states=True)
+    impls, ran = _counting_impls()
+    state = mxt.patch(model, dispatcher=_ForcedTorch(), impls=impls)
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+    assert torch.equal(out.logits, ref.logits)
+    for a, b in zip(ref.hidden_states, out.hidden_states, strict=True):
+        assert torch.equal(a, b)
+    layers = 2
+    # two add_rms_norm per layer; hidden-size rms_norm only for layer 0's input norm
+    assert ran.count("add_rms_norm") == 2 * layers
+    assert state.router.calls[("add_rms_norm", "fused")] == 2 * layers
+    assert ran.count("rms_norm") == 1 + 2 * layers  # + q/k norms of each layer
+    mxt.unpatch(model)
+
+
+def test_in_place_change_between_layers_defeats_the_handoff(tmp_path: Path) -> None:
+    """A hook that edits a layer's output in place: the next norm recomputes (exactness)."""
+    model = _model("qwen3")
+    ids = _prompts(length=4)
+
+    def bump(module: Any, args: Any, output: Any) -> None:
+        output.mul_(1.5)
+
+    handle = model.model.layers[0].register_forward_hook(bump)
+    with torch.no_grad():
+        ref = model(ids).logits
+    impls, ran = _counting_impls()
+    mxt.patch(model, dispatcher=_ForcedTorch(), impls=impls)
+    with torch.no_grad():
+        out = model(ids).logits
+    assert torch.equal(out, ref)
+    assert ran.count("rms_norm") == 2 + 2 * 2  # layer 0 and 1 input norms, q/k norms
+    handle.remove()
+    mxt.unpatch(model)
+
+
+class _ForcedTorch:
+    """A dispatcher answering ``fused`` for every decode op (the counting torch impls)."""
+
+    def __init__(self) -> None:
+        from mxdb.decision import Decision
+
+        self.decision = Decision(
+            config={"impl": "fused"}, level="exact", confidence=1.0, reason="exact_match"
+        )
+
+    def dispatch(self, shape: Any, routing: Any = None) -> Any:
+        return self.decision

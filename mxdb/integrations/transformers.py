@@ -106,7 +106,16 @@ class PatchState:
 
 
 class Router:
-    """Per-call choice of implementation: one cached dispatch per call, no allocation."""
+    """Per-call choice of implementation.
+
+    Each patched module keeps a table ``{call key: (shape, decision, impl, count key)}``, the
+    call key being what the module's input shapes and dtype make cheaply (``(x.shape,
+    x.dtype)`` and the like).  A call is one table lookup, one ``dispatcher.dispatch`` of the
+    cached :class:`OpShape` (a dict lookup) and the implementation's call.  The decision the
+    dispatcher answers is compared by identity with the one the entry was built from: a store
+    change, a ``refresh()`` or an override gives a new decision object, and the entry is
+    rebuilt, so the dispatcher's refresh semantics hold exactly.
+    """
 
     def __init__(self, dispatcher: Any, ops: Iterable[str], impls: dict[str, dict[str, Any]]):
         self.dispatcher = dispatcher
@@ -124,23 +133,42 @@ class Router:
             self._dtypes[torch_dtype] = name
         return name
 
-    def impl(self, op: str, dims: tuple[tuple[str, int], ...], rows: int, dtype: Any) -> Any:
-        """The implementation to run, or None for the module's original code."""
+    def shape(self, op: str, dims: tuple[tuple[str, int], ...], rows: int, dtype: Any) -> Any:
         key = (op, dims, rows, dtype)
         shape = self._shapes.get(key)
         if shape is None:
             shape = OpShape(op, dict(dims), max(1, rows), self.dtype(dtype))
             self._shapes[key] = shape
+        return shape
+
+    def route(
+        self,
+        table: dict[Any, Entry],
+        key: Any,
+        op: str,
+        dims: tuple[tuple[str, int], ...],
+        rows: int,
+        dtype: Any,
+    ) -> Entry:
+        """Build (on a miss or a changed decision) the table entry of one call key."""
+        shape = self.shape(op, dims, rows, dtype)
         decision = self.dispatcher.dispatch(shape, None)
-        config = decision.config
         fn = None
         name = "original"
+        config = decision.config
         if config is not None:
             chosen = config.get("impl")
             fn = self.impls.get(chosen, {}).get(op)
             if fn is not None:
                 name = chosen
-        self.calls[(op, name)] += 1
+        entry = (shape, decision, fn, (op, name))
+        table[key] = entry
+        return entry
+
+    def impl(self, op: str, dims: tuple[tuple[str, int], ...], rows: int, dtype: Any) -> Any:
+        """The implementation to run, or None for the module's original code (counted)."""
+        _, _, fn, counted = self.route({}, None, op, dims, rows, dtype)
+        self.calls[counted] += 1
         return fn
 
     def moe_decision(self, block: Any, rows: int, dtype: Any) -> Any:
@@ -154,12 +182,23 @@ class Router:
         return self.dispatcher.dispatch(shape, None)
 
 
+#: A call key's routing: (OpShape, the decision it came from, impl or None, (op, impl name)).
+Entry = tuple[Any, Any, Any, tuple[str, str]]
+
+
 def _topk(block: Any) -> int:
     return int(getattr(block, "top_k", None) or block.gate.top_k)
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _rows(shape: Any) -> int:
+    rows = 1
+    for s in shape[:-1]:
+        rows *= s
+    return int(rows)
 
 
 def _module_classes(family: Family) -> dict[str, type]:
@@ -184,24 +223,98 @@ def _set_forward(state: PatchState, module: Any, fwd: Callable[..., Any], role: 
     state.patched[role] += 1
 
 
+def _version(t: Any) -> int:
+    """``t``'s in-place version counter (-1 for inference tensors, which have none)."""
+    try:
+        return int(t._version)
+    except RuntimeError:
+        return -1
+
+
+class Handoff:
+    """The MLP residual of one decoder layer fused with the next RMSNorm (``add_rms_norm``).
+
+    The layer returns ``h = residual + mlp_out`` (rounded exactly as the unfused add) and
+    leaves ``rms_norm(h)`` here, addressed to the next norm module (the next layer's
+    ``input_layernorm``, or the model's final norm).  That norm takes it only when it is
+    called on that very tensor, unmodified (same object, same version counter); otherwise
+    it computes as usual.  One handoff per model; it holds the tensors of one step at most.
+    """
+
+    __slots__ = ("normed", "source", "target", "version")
+
+    def __init__(self) -> None:
+        self.source: Any = None
+        self.target: Any = None
+        self.normed: Any = None
+        self.version = -1
+
+    def take(self, x: Any, norm: Any) -> Any:
+        """The pending normed tensor if it is ``norm(x)``, else None; clears the handoff."""
+        src = self.source
+        if src is None:
+            return None
+        normed = self.normed
+        ok = src is x and self.target is norm and _version(x) == self.version
+        self.source = self.target = self.normed = None
+        return normed if ok else None
+
+    def put(self, source: Any, norm: Any, normed: Any) -> None:
+        self.source = source
+        self.target = norm
+        self.normed = normed
+        self.version = _version(source)
+
+
 # -- per-role forwards --------------------------------------------------------------------------
 
 
-def _norm_forward(router: Router, norm: Any) -> Callable[..., Any]:
+def _norm_forward(router: Router, norm: Any, handoff: Handoff | None) -> Callable[..., Any]:
     orig = _original(norm)
+    params = norm._parameters
+    table: dict[Any, Entry] = {}
+    get = table.get
+    dispatch = router.dispatcher.dispatch
+    route = router.route
+    calls = router.calls
 
     def forward(hidden_states: Any) -> Any:
-        n = hidden_states.shape[-1]
-        fn = router.impl("rms_norm", (("n", n),), hidden_states.numel() // n, hidden_states.dtype)
+        if handoff is not None and handoff.source is not None:
+            done = handoff.take(hidden_states, norm)
+            if done is not None:
+                return done
+        key = (hidden_states.shape, hidden_states.dtype)
+        e = get(key)
+        if e is None or dispatch(e[0], None) is not e[1]:
+            shape = key[0]
+            e = route(table, key, "rms_norm", (("n", shape[-1]),), _rows(shape), key[1])
+        calls[e[3]] += 1
+        fn = e[2]
         if fn is None:
             return orig(hidden_states)
-        return fn(hidden_states, norm.weight, norm.variance_epsilon)
+        return fn(hidden_states, params["weight"], norm.variance_epsilon)
 
     return forward
 
 
-def _layer_forward(router: Router, layer: Any) -> Callable[..., Any]:
+def _layer_forward(
+    router: Router, layer: Any, handoff: Handoff, next_norm: Any
+) -> Callable[..., Any]:
+    """The decoder layer with its two residual adds fused into the following RMSNorms.
+
+    Attention residual + ``post_attention_layernorm``: one ``add_rms_norm``.  MLP residual +
+    ``next_norm`` (the next layer's input norm or the final norm; None: no fusion): one
+    ``add_rms_norm`` whose normed half goes through ``handoff``.
+    """
     orig = _original(layer)
+    mods = layer._modules
+    table: dict[Any, Entry] = {}
+    get = table.get
+    dispatch = router.dispatcher.dispatch
+    route = router.route
+    calls = router.calls
+    take = handoff.take
+    put = handoff.put
 
     def forward(hidden_states: Any, *args: Any, **kwargs: Any) -> Any:
         if args:  # positional arguments: a caller we do not know; keep the original code
@@ -209,19 +322,33 @@ def _layer_forward(router: Router, layer: Any) -> Callable[..., Any]:
         if "past_key_values" in kwargs and "cache" not in kwargs:
             kwargs["cache"] = kwargs.pop("past_key_values")
         residual = hidden_states
-        h = layer.input_layernorm(hidden_states)
-        h, _ = layer.self_attn(hidden_states=h, **kwargs)
-        post = layer.post_attention_layernorm
-        n = h.shape[-1]
-        fn = router.impl("add_rms_norm", (("n", n),), h.numel() // n, h.dtype)
+        inp = mods["input_layernorm"]
+        h = take(hidden_states, inp) if handoff.source is not None else None
+        if h is None:
+            h = inp(hidden_states)
+        h, _ = mods["self_attn"](hidden_states=h, **kwargs)
+        key = (h.shape, h.dtype)
+        e = get(key)
+        if e is None or dispatch(e[0], None) is not e[1]:
+            shape = key[0]
+            e = route(table, key, "add_rms_norm", (("n", shape[-1]),), _rows(shape), key[1])
+        calls[e[3]] += 1
+        fn = e[2]
+        post = mods["post_attention_layernorm"]
         if fn is None:
             h = residual + h
             residual = h
             h = post(h)
         else:
-            h, residual = fn(h, residual, post.weight, post.variance_epsilon)
-        h = layer.mlp(h)
-        return residual + h
+            h, residual = fn(h, residual, post._parameters["weight"], post.variance_epsilon)
+        h = mods["mlp"](h)
+        if next_norm is None or fn is None or (h.shape, h.dtype) != key:
+            return residual + h
+        # the attention residual's key (same rows, width and dtype): its decision holds
+        normed, out = fn(h, residual, next_norm._parameters["weight"], next_norm.variance_epsilon)
+        calls[e[3]] += 1
+        put(out, next_norm, normed)
+        return out
 
     return forward
 
@@ -230,6 +357,25 @@ def _attention_forward(
     router: Router, attn: Any, family: Family, modeling: Any
 ) -> Callable[..., Any]:
     import torch
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    matmul = torch.matmul
+    dropout_fn = torch.nn.functional.dropout
+    repeat_kv = modeling.repeat_kv
+    stock_eager = modeling.eager_attention_forward
+    apply_rope = modeling.apply_rotary_pos_emb
+    get_interface = ALL_ATTENTION_FUNCTIONS.get_interface
+    mods = attn._modules
+    dispatch = router.dispatcher.dispatch
+    route = router.route
+    calls = router.calls
+    rope_on = "rope" in router.ops
+    softmax_on = "masked_softmax" in router.ops
+    rope_table: dict[Any, Entry] = {}
+    rope_get = rope_table.get
+    sm_table: dict[Any, Entry] = {}
+    sm_get = sm_table.get
+    sliding = family.sliding
 
     def eager(
         module: Any,
@@ -241,15 +387,18 @@ def _attention_forward(
         dropout: float = 0.0,
         **kwargs: Any,
     ) -> Any:
-        bsz, heads, sq, _ = query.shape
-        fn = router.impl(
-            "masked_softmax",
-            (("h", heads), ("k", _pow2(key.shape[-2]))),
-            bsz * sq,
-            query.dtype,
-        )
+        qshape = query.shape
+        kv = key.shape[-2]
+        ck = (qshape, (kv - 1).bit_length() if kv > 0 else 0, query.dtype)
+        e = sm_get(ck)
+        if e is None or dispatch(e[0], None) is not e[1]:
+            bsz, heads, sq, _ = qshape
+            dims = (("h", heads), ("k", _pow2(kv)))
+            e = route(sm_table, ck, "masked_softmax", dims, bsz * sq, ck[2])
+        calls[e[3]] += 1
+        fn = e[2]
         if fn is None:
-            return modeling.eager_attention_forward(
+            return stock_eager(
                 module,
                 query,
                 key,
@@ -259,12 +408,14 @@ def _attention_forward(
                 dropout=dropout,
                 **kwargs,
             )
-        key_states = modeling.repeat_kv(key, module.num_key_value_groups)
-        value_states = modeling.repeat_kv(value, module.num_key_value_groups)
-        scores = torch.matmul(query, key_states.transpose(2, 3))
+        groups = module.num_key_value_groups
+        key_states = repeat_kv(key, groups)
+        value_states = repeat_kv(value, groups)
+        scores = matmul(query, key_states.transpose(2, 3))
         probs = fn(scores, attention_mask, scaling)
-        probs = torch.nn.functional.dropout(probs, p=dropout, training=module.training)
-        out = torch.matmul(probs, value_states).transpose(1, 2).contiguous()
+        if dropout:
+            probs = dropout_fn(probs, p=dropout, training=module.training)
+        out = matmul(probs, value_states).transpose(1, 2).contiguous()
         return out, probs
 
     def forward(
@@ -274,69 +425,77 @@ def _attention_forward(
         cache: Any = None,
         **kwargs: Any,
     ) -> Any:
-        if "past_key_values" in kwargs and cache is None:
+        if cache is None and "past_key_values" in kwargs:
             cache = kwargs.pop("past_key_values")
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, attn.head_dim)
-        q = attn.q_proj(hidden_states).view(hidden_shape)
-        k = attn.k_proj(hidden_states).view(hidden_shape)
-        if hasattr(attn, "q_norm"):
-            q = attn.q_norm(q)
-            k = attn.k_norm(k)
+        q = mods["q_proj"](hidden_states).view(hidden_shape)
+        k = mods["k_proj"](hidden_states).view(hidden_shape)
+        q_norm = mods.get("q_norm")
+        if q_norm is not None:
+            q = q_norm(q)
+            k = mods["k_norm"](k)
         q = q.transpose(1, 2)
         k = k.transpose(1, 2)
-        v = attn.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        v = mods["v_proj"](hidden_states).view(hidden_shape).transpose(1, 2)
         cos, sin = position_embeddings
         fn = None
-        if "rope" in router.ops:
-            dims = (("d", q.shape[-1]), ("hk", k.shape[1]), ("hq", q.shape[1]))
-            fn = router.impl("rope", dims, q.shape[0] * q.shape[2], q.dtype)
+        if rope_on:
+            # q is [B, Hq, S, D], k [B, Hk, S, D]: both follow from the input shape and the
+            # module's projections, so (input shape, dtype) keys the decision
+            ck = (input_shape, q.dtype)
+            e = rope_get(ck)
+            if e is None or dispatch(e[0], None) is not e[1]:
+                qs = q.shape
+                dims = (("d", qs[3]), ("hk", k.shape[1]), ("hq", qs[1]))
+                e = route(rope_table, ck, "rope", dims, qs[0] * qs[2], ck[1])
+            calls[e[3]] += 1
+            fn = e[2]
         if fn is None:
-            q, k = modeling.apply_rotary_pos_emb(q, k, cos, sin)
+            q, k = apply_rope(q, k, cos, sin)
         else:
             q, k = fn(q, k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, attn.layer_idx, kwargs=kwargs)
         impl = attn.config._attn_implementation
-        if impl == "eager" and "masked_softmax" in router.ops:
+        if softmax_on and impl == "eager":
             interface: Callable[..., Any] = eager
         else:
-            from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-            interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-                impl, modeling.eager_attention_forward
-            )
-        extra: dict[str, Any] = {}
-        if family.sliding == "attr":
-            extra["sliding_window"] = attn.sliding_window
-        elif family.sliding == "config":
-            extra["sliding_window"] = getattr(attn.config, "sliding_window", None)
+            interface = get_interface(impl, stock_eager)
+        drop = attn.attention_dropout if attn.training else 0.0
+        if sliding == "attr":
+            kwargs["sliding_window"] = attn.sliding_window
+        elif sliding == "config":
+            kwargs["sliding_window"] = getattr(attn.config, "sliding_window", None)
         out, weights = interface(
-            attn,
-            q,
-            k,
-            v,
-            attention_mask,
-            dropout=0.0 if not attn.training else attn.attention_dropout,
-            scaling=attn.scaling,
-            **extra,
-            **kwargs,
+            attn, q, k, v, attention_mask, dropout=drop, scaling=attn.scaling, **kwargs
         )
         out = out.reshape(*input_shape, -1).contiguous()
-        return attn.o_proj(out), weights
+        return mods["o_proj"](out), weights
 
     return forward
 
 
 def _mlp_forward(router: Router, mlp: Any) -> Callable[..., Any]:
     orig = _original(mlp)
+    mods = mlp._modules
+    table: dict[Any, Entry] = {}
+    get = table.get
+    dispatch = router.dispatcher.dispatch
+    route = router.route
+    calls = router.calls
 
     def forward(x: Any) -> Any:
-        n = mlp.gate_proj.out_features
-        fn = router.impl("swiglu", (("n", n),), x.numel() // x.shape[-1], x.dtype)
+        key = (x.shape, x.dtype)
+        e = get(key)
+        if e is None or dispatch(e[0], None) is not e[1]:
+            n = mods["gate_proj"].out_features
+            e = route(table, key, "swiglu", (("n", n),), _rows(key[0]), key[1])
+        calls[e[3]] += 1
+        fn = e[2]
         if fn is None:
             return orig(x)
-        return mlp.down_proj(fn(mlp.gate_proj(x), mlp.up_proj(x)))
+        return mods["down_proj"](fn(mods["gate_proj"](x), mods["up_proj"](x)))
 
     return forward
 
@@ -423,6 +582,7 @@ def patch(
         modeling = importlib.import_module(family.module)
         for role, cls in classes.items():
             roles[cls] = (role, family, modeling)
+    chains = _chains(model, roles, chosen)
     for name, module in model.named_modules():
         hit = roles.get(type(module))
         if hit is None:
@@ -431,9 +591,12 @@ def patch(
             continue
         role, family, modeling = hit
         if role == "norm" and "rms_norm" in chosen:
-            _set_forward(state, module, _norm_forward(router, module), "rms_norm")
+            handoff = chains.tails.get(id(module))
+            _set_forward(state, module, _norm_forward(router, module, handoff), "rms_norm")
         elif role == "layer" and "add_rms_norm" in chosen:
-            _set_forward(state, module, _layer_forward(router, module), "add_rms_norm")
+            handoff, nxt = chains.layers.get(id(module), (Handoff(), None))
+            fwd = _layer_forward(router, module, handoff, nxt)
+            _set_forward(state, module, fwd, "add_rms_norm")
         elif role == "attention" and ({"rope", "masked_softmax"} & set(chosen)):
             _set_forward(
                 state, module, _attention_forward(router, module, family, modeling), "attention"
@@ -461,6 +624,60 @@ def patch(
         )
     setattr(model, _ATTR, state)
     return state
+
+
+@dataclass
+class _Chains:
+    """Where a decoder layer's MLP residual is fused with the next RMSNorm."""
+
+    #: id(layer) -> (its model's handoff, the next norm module or None)
+    layers: dict[int, tuple[Handoff, Any]] = field(default_factory=dict)
+    #: id(final norm) -> the handoff it takes from the last layer
+    tails: dict[int, Handoff] = field(default_factory=dict)
+
+
+def _chains(
+    model: Any, roles: dict[type, tuple[str, Family, Any]], chosen: tuple[str, ...]
+) -> _Chains:
+    """Find each stack of decoder layers (``layers`` + final ``norm`` of a known family).
+
+    Layer i hands its MLP residual's normed half to layer i+1's ``input_layernorm`` (which
+    the patched layer forward calls), and the last layer to the final ``norm`` when that norm
+    is patched here (``rms_norm`` routed); every pair must sit on one device.
+    """
+    out = _Chains()
+    if "add_rms_norm" not in chosen:
+        return out
+    for module in model.modules():
+        layers = module._modules.get("layers")
+        final = module._modules.get("norm")
+        if layers is None or not isinstance(layers, Iterable):
+            continue
+        stack = list(layers)
+        if not stack or any(roles.get(type(m), ("",))[0] != "layer" for m in stack):
+            continue
+        handoff = Handoff()
+        tail_ok = (
+            final is not None
+            and "rms_norm" in chosen
+            and roles.get(type(final), ("",))[0] == "norm"
+        )
+        for i, layer in enumerate(stack):
+            nxt = (
+                stack[i + 1].input_layernorm if i + 1 < len(stack) else (final if tail_ok else None)
+            )
+            if nxt is not None and not _same_device(layer.post_attention_layernorm, nxt):
+                nxt = None
+            out.layers[id(layer)] = (handoff, nxt)
+        if tail_ok and out.layers[id(stack[-1])][1] is final:
+            out.tails[id(final)] = handoff
+    return out
+
+
+def _same_device(a: Any, b: Any) -> bool:
+    wa = a._parameters.get("weight")
+    wb = b._parameters.get("weight")
+    return wa is not None and wb is not None and wa.device == wb.device
 
 
 def _looks_relevant(module: Any) -> bool:
