@@ -54,25 +54,13 @@ POINTS: list[tuple[str, int, str, dict[str, Any]]] = [
 ]
 
 
-class Metered:
-    """Wraps a backend and adds up the GPU time its time() and check() calls take."""
+class _Forwarding:
+    """A backend wrapper: forwards the calls it does not meter, and times compile()."""
 
-    def __init__(self, inner: Backend) -> None:
+    def __init__(self, inner: Any) -> None:
         self.inner = inner
         self.name = inner.name
-        self.gpu_s = 0.0
         self.compile_s = 0.0
-
-    def _gpu_now(self) -> float | None:
-        counters = getattr(self.inner, "counters", None)
-        return float(counters.gpu_seconds) if counters is not None else None
-
-    def _spend(self, t0: float, g0: float | None) -> None:
-        g1 = self._gpu_now()
-        self.gpu_s += (g1 - g0) if (g0 is not None and g1 is not None) else time.monotonic() - t0
-
-    def clock(self) -> float:
-        return self.gpu_s
 
     def fingerprint(self) -> Any:
         return self.inner.fingerprint()
@@ -88,6 +76,25 @@ class Metered:
         out = self.inner.compile(shape, configs)
         self.compile_s += time.monotonic() - t0
         return out
+
+
+class Metered(_Forwarding):
+    """Wraps a backend and adds up the GPU time its time() and check() calls take."""
+
+    def __init__(self, inner: Backend) -> None:
+        super().__init__(inner)
+        self.gpu_s = 0.0
+
+    def _gpu_now(self) -> float | None:
+        counters = getattr(self.inner, "counters", None)
+        return float(counters.gpu_seconds) if counters is not None else None
+
+    def _spend(self, t0: float, g0: float | None) -> None:
+        g1 = self._gpu_now()
+        self.gpu_s += (g1 - g0) if (g0 is not None and g1 is not None) else time.monotonic() - t0
+
+    def clock(self) -> float:
+        return self.gpu_s
 
     def time(
         self,
@@ -258,15 +265,13 @@ def _point_traces(
     )
 
 
-class _GpuMeter:
+class _GpuMeter(_Forwarding):
     """Wall time of time()/check() calls and the replayed GPU time of their samples."""
 
     def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.name = inner.name
+        super().__init__(inner)
         self.wall: list[float] = []
         self.sampled_s = 0.0
-        self.compile_s = 0.0
 
     @property
     def gpu_s(self) -> float:
@@ -274,21 +279,6 @@ class _GpuMeter:
 
     def clock(self) -> float:
         return self.gpu_s
-
-    def fingerprint(self) -> Any:
-        return self.inner.fingerprint()
-
-    def profile(self) -> Any:
-        return self.inner.profile()
-
-    def baseline_config(self, shape: MoEShape) -> KernelConfig:
-        return self.inner.baseline_config(shape)
-
-    def compile(self, shape: MoEShape, configs: Sequence[KernelConfig]) -> list[Any]:
-        t0 = time.monotonic()
-        out = self.inner.compile(shape, configs)
-        self.compile_s += time.monotonic() - t0
-        return out
 
     def _now(self) -> float:
         # the fake backend's simulated GPU seconds; wall-clock seconds on a real GPU

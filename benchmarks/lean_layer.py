@@ -142,6 +142,7 @@ def publish(raw_path: Path, bundle: Path) -> None:
 
 def render(doc: dict[str, Any]) -> str:
     """``report/lean_layer.md``: a view of ``lean_layer.json`` (the audit checks the JSON)."""
+    from mxdb.evidence.peers import targets_markdown
 
     def x(v: Any) -> str:
         return "-" if v is None else f"{v:.3f}"
@@ -171,13 +172,7 @@ def render(doc: dict[str, Any]) -> str:
             f"{x(p['synced_speedup_layer_over_fused_experts_impl'])} | {x(h['layer'])} | "
             f"{x(h['fused_experts_impl'])} |"
         )
-    lines += ["", "| target | threshold | measured | result |", "|---|---|---|---|"]
-    for t in doc["targets"]:
-        op = ">=" if t["comparison"] == "ge" else "<="
-        lines.append(
-            f"| {t['name']}: {t['statement']} | {t['figure']} {op} {t['threshold']:g} | "
-            f"{x(t['measured'])} | {'pass' if t['passed'] else 'MISS'} |"
-        )
+    lines += ["", *targets_markdown(doc["targets"])]
     return "\n".join(lines) + "\n"
 
 

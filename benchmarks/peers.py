@@ -331,6 +331,8 @@ def publish(raw_path: Path, bundle: Path) -> None:
 
 def render(doc: dict[str, Any]) -> str:
     """``report/peers.md``: the figures of ``peers.json`` (a view; the audit checks the JSON)."""
+    from mxdb.evidence.peers import targets_markdown
+
     f = {**doc["figures"], "points": doc["points"]}
 
     def x(v: Any) -> str:
@@ -363,13 +365,7 @@ def render(doc: dict[str, Any]) -> str:
             f"{x(r.get('eager_speedup_layer_over_fused_experts_impl'))} | "
             f"{x(r.get('eager_over_graph_layer'))} |"
         )
-    lines += ["", "| target | threshold | measured | result |", "|---|---|---|---|"]
-    for t in doc["targets"]:
-        op = ">=" if t["comparison"] == "ge" else "<="
-        lines.append(
-            f"| {t['name']}: {t['statement']} | {t['figure']} {op} {t['threshold']:g} | "
-            f"{x(t['measured'])} | {'pass' if t['passed'] else 'MISS'} |"
-        )
+    lines += ["", *targets_markdown(doc["targets"])]
     return "\n".join(lines) + "\n"
 
 

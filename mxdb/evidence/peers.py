@@ -167,6 +167,19 @@ def build_targets(
     return out
 
 
+def targets_markdown(targets: Sequence[Mapping[str, Any]]) -> list[str]:
+    """Markdown table lines of targets: the statement, threshold, measured figure, verdict."""
+    lines = ["| target | threshold | measured | result |", "|---|---|---|---|"]
+    for t in targets:
+        op = ">=" if t["comparison"] == "ge" else "<="
+        measured = "-" if t["measured"] is None else f"{t['measured']:.3f}"
+        lines.append(
+            f"| {t['name']}: {t['statement']} | {t['figure']} {op} {t['threshold']:g} | "
+            f"{measured} | {'pass' if t['passed'] else 'MISS'} |"
+        )
+    return lines
+
+
 class Target(_Doc):
     """One target: the figure it judges, threshold, the measured value and the verdict."""
 
