@@ -13,32 +13,32 @@ most ``MAX_PROGRAMS`` programs (below every grid-dimension limit).  Row widths u
 attention spans).
 
 The PyTorch references are in :mod:`mxdb.kernels.decode_ref`.
+
+Launch path: the op functions here are those of one :class:`~mxdb.kernels.decode_launch.DecodeOps`
+(``DEFAULT``).  The first call at a key goes through Triton's JIT launch while it is recorded;
+later calls replay Triton's compiled launcher with the call's pointers and scalars (no Triton
+binder, no launch hooks, no temporaries).  Where recording is refused (Triton's interpreter,
+unknown Triton internals) Triton's normal launch is kept.  :func:`launch_paths` says which path
+is in use; ``MXDB_DECODE_RECORD=0`` turns recording off for the default instance;
+:func:`make_ops` builds another instance (``record=False``: the JIT path; ``max_programs``: a
+smaller grid, to exercise the grid-stride loops).
 """
 
 from __future__ import annotations
 
+import functools
+import os
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
+from mxdb.kernels.decode_launch import DecodeOps
 
 #: Programs per launch at most; rows beyond are looped over.
 MAX_PROGRAMS = 65535
 #: Widest row (elements) one program handles in one block.
 MAX_WIDTH = 65536
-
-
-def _grid(rows: int) -> tuple[int]:
-    return (max(1, min(rows, MAX_PROGRAMS)),)
-
-
-def _block(n: int) -> int:
-    if n > MAX_WIDTH:
-        raise ValueError(f"row width {n} exceeds {MAX_WIDTH}; use the torch implementation")
-    return max(16, triton.next_power_of_2(n))
-
-
-def _warps(block: int) -> int:
-    return 1 if block <= 256 else 4 if block <= 2048 else 8
 
 
 # -- RMSNorm and add+RMSNorm ------------------------------------------------------------------
@@ -79,49 +79,6 @@ def _rms_norm_kernel(
         rstd = 1.0 / tl.sqrt(var + eps)
         normed = (h * rstd).to(X.dtype.element_ty).to(tl.float32)
         tl.store(Y + row64 * stride_y + cols, (normed * w).to(Y.dtype.element_ty), mask=mask)
-
-
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    x2 = x.reshape(-1, x.shape[-1])
-    return x2 if x2.stride(-1) == 1 else x2.contiguous()
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``weight * rmsnorm(x)`` over the last dim; output dtype is ``weight * x``'s."""
-    n = x.shape[-1]
-    x2 = _rows(x)
-    out_dtype = torch.result_type(weight, x)
-    y = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
-    rows = x2.shape[0]
-    if rows:
-        block = _block(n)
-        _rms_norm_kernel[_grid(rows)](
-            x2, x2, weight.contiguous(), y, y, rows, n, x2.stride(0), 0, y.stride(0), 0,
-            float(eps), HAS_RES=False, BLOCK=block, num_warps=_warps(block),
-        )  # fmt: skip
-    return y.view(*x.shape[:-1], n)
-
-
-def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``h = residual + x`` (model dtype) and ``weight * rmsnorm(h)``: returns ``(normed, h)``."""
-    n = x.shape[-1]
-    x2 = _rows(x)
-    r2 = _rows(residual)
-    res_dtype = torch.result_type(residual, x)
-    out_dtype = torch.result_type(weight, torch.empty((), dtype=res_dtype))
-    y = torch.empty(x2.shape, dtype=out_dtype, device=x.device)
-    h = torch.empty(x2.shape, dtype=res_dtype, device=x.device)
-    rows = x2.shape[0]
-    if rows:
-        block = _block(n)
-        _rms_norm_kernel[_grid(rows)](
-            x2, r2, weight.contiguous(), y, h, rows, n, x2.stride(0), r2.stride(0), y.stride(0),
-            h.stride(0), float(eps), HAS_RES=True, BLOCK=block, num_warps=_warps(block),
-        )  # fmt: skip
-    shape = (*x.shape[:-1], n)
-    return y.view(shape), h.view(shape)
 
 
 # -- RoPE -------------------------------------------------------------------------------------
@@ -166,48 +123,6 @@ def _rope_kernel(
         tl.store(ko + HALF, (k2 * c2[None, :] + k1 * s2[None, :]).to(KO.dtype.element_ty), mask=mk)
 
 
-def _bsd(t: torch.Tensor, batch: int) -> tuple[int, int]:
-    """Batch and sequence strides of cos/sin ``[B or 1, S, D]`` (0 for a broadcast batch)."""
-    if t.dim() == 2:
-        return 0, t.stride(0)
-    return (t.stride(0) if t.shape[0] == batch and batch > 1 else 0), t.stride(1)
-
-
-def rope(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotary embedding of ``q`` ``[B, Hq, S, D]`` and ``k`` ``[B, Hk, S, D]`` (any strides with a
-    unit last stride); ``cos``/``sin`` ``[B, S, D]`` or ``[S, D]`` in HF's duplicated-halves form."""
-    bsz, hq, seq, dim = q.shape
-    hk = k.shape[1]
-    if q.stride(-1) != 1:
-        q = q.contiguous()
-    if k.stride(-1) != 1:
-        k = k.contiguous()
-    if cos.stride(-1) != 1:
-        cos = cos.contiguous()
-    if sin.stride(-1) != 1:
-        sin = sin.contiguous()
-    qo = torch.empty_like(q)
-    ko = torch.empty_like(k)
-    n_tok = bsz * seq
-    if n_tok:
-        half = dim // 2
-        cb, cs = _bsd(cos, bsz)
-        sb, ss = _bsd(sin, bsz)
-        bhq = triton.next_power_of_2(hq)
-        bhk = triton.next_power_of_2(hk)
-        bd = max(16, triton.next_power_of_2(half))
-        _rope_kernel[_grid(n_tok)](
-            q, k, cos, sin, qo, ko, n_tok, seq, hq, hk, half,
-            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-            qo.stride(0), qo.stride(1), qo.stride(2), ko.stride(0), ko.stride(1), ko.stride(2),
-            cb, cs, sb, ss, BLOCK_HQ=bhq, BLOCK_HK=bhk, BLOCK_D=bd,
-            num_warps=_warps(bhq * bd),
-        )  # fmt: skip
-    return qo, ko
-
-
 # -- masked softmax ---------------------------------------------------------------------------
 
 
@@ -236,32 +151,6 @@ def _masked_softmax_kernel(
         tl.store(Y + r64 * stride_y + cols, (e / tl.sum(e, axis=0)).to(Y.dtype.element_ty), mask=cm)
 
 
-def masked_softmax(scores: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """``softmax(scores * scale + mask)`` in float32 over the last dim, cast to ``scores.dtype``.
-
-    ``scores`` is ``[B, H, Sq, Sk]``; ``mask`` broadcasts to it (``[B or 1, H or 1, Sq, Sk]``).
-    """
-    bsz, heads, sq, sk = scores.shape
-    x2 = _rows(scores)
-    y = torch.empty(x2.shape, dtype=scores.dtype, device=scores.device)
-    rows = x2.shape[0]
-    if rows:
-        block = _block(sk)
-        if mask is not None:
-            m = mask[..., :sk]
-            if m.stride(-1) != 1:
-                m = m.contiguous()
-            m = m.expand(bsz, heads, sq, sk)
-            mb, mh, mq = m.stride(0), m.stride(1), m.stride(2)
-        else:
-            m, mb, mh, mq = x2, 0, 0, 0
-        _masked_softmax_kernel[_grid(rows)](
-            x2, m, y, rows, sk, heads, sq, x2.stride(0), y.stride(0), mb, mh, mq, float(scale),
-            HAS_MASK=mask is not None, BLOCK=block, num_warps=_warps(block),
-        )  # fmt: skip
-    return y.view(bsz, heads, sq, sk)
-
-
 # -- SwiGLU -----------------------------------------------------------------------------------
 
 
@@ -281,21 +170,46 @@ def _swiglu_kernel(G, U, Y, n_rows, N, stride_g, stride_u, stride_y, BLOCK: tl.c
         tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=cm)
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """``silu(gate) * up``; ``gate`` and ``up`` may be halves (views) of one projection."""
-    n = gate.shape[-1]
-    g2 = _rows(gate)
-    u2 = _rows(up)
-    y = torch.empty(g2.shape, dtype=torch.result_type(gate, up), device=gate.device)
-    rows = g2.shape[0]
-    if rows:
-        block = min(1024, max(16, triton.next_power_of_2(n)))
-        tiles = rows * triton.cdiv(n, block)
-        _swiglu_kernel[_grid(tiles)](
-            g2, u2, y, rows, n, g2.stride(0), u2.stride(0), y.stride(0), BLOCK=block,
-            num_warps=_warps(block),
-        )  # fmt: skip
-    return y.view(*gate.shape[:-1], n)
+# -- the ops: recorded launches over the kernels above -----------------------------------------
+
+KERNELS = {
+    "rms_norm": _rms_norm_kernel,
+    "rope": _rope_kernel,
+    "masked_softmax": _masked_softmax_kernel,
+    "swiglu": _swiglu_kernel,
+}
+
+
+def _launcher_cls() -> Any:
+    from triton.runtime import driver
+
+    return driver.active.launcher_cls
+
+
+def _stream_for(device: int) -> Any:
+    return functools.partial(torch._C._cuda_getCurrentRawStream, device)
+
+
+def make_ops(*, record: bool = True, max_programs: int = MAX_PROGRAMS) -> DecodeOps:
+    """A fresh set of the ops (own caches): ``record=False`` keeps Triton's JIT launch."""
+    return DecodeOps(
+        KERNELS, _launcher_cls, _stream_for, record=record, max_programs=max_programs,
+        max_width=MAX_WIDTH,
+    )  # fmt: skip
+
+
+DEFAULT = make_ops(record=os.environ.get("MXDB_DECODE_RECORD", "1") != "0")
+
+rms_norm = DEFAULT.rms_norm
+add_rms_norm = DEFAULT.add_rms_norm
+rope = DEFAULT.rope
+masked_softmax = DEFAULT.masked_softmax
+swiglu = DEFAULT.swiglu
+
+
+def launch_paths() -> dict[str, Any]:
+    """Which launch path the default ops use (see :meth:`DecodeOps.paths`)."""
+    return DEFAULT.paths()
 
 
 OPS = {

@@ -28,53 +28,125 @@ CHECK = textwrap.dedent(
     from mxdb.kernels import decode_ops as K, decode_ref as R
     dev = sys.argv[1]
     torch.manual_seed(int(sys.argv[2]))
+    ops = K.make_ops()                  # recorded launches (Triton's JIT path on first use)
+    jit = K.make_ops(record=False)      # Triton's normal launch, always
+    looped = K.make_ops(max_programs=3)  # more rows than programs: the grid-stride loops
+    full = dev == "cuda"  # under the interpreter (slow) ops and jit both take the JIT path
     out = {}
     def err(a, b):
         if isinstance(a, tuple):
             return [max(x) for x in zip(*(err(p, q) for p, q in zip(a, b)))]
         d = (a.float() - b.float()).abs().max().item()
         return [d, d / max(b.float().abs().max().item(), 1e-30)]
+    def same(a, b):
+        if isinstance(a, tuple):
+            return all(same(p, q) for p, q in zip(a, b))
+        return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
+    def check(tag, op, args, ref, impls=(ops,)):
+        # every call has fresh tensors: a stale pointer in a replay shows as a mismatch
+        for i, o in enumerate(impls):
+            got = getattr(o, op)(*args)
+            out[f"{tag}/{i}"] = err(got, ref)
+            if full or i:
+                out[f"{tag}/{i}/same_as_jit"] = same(got, getattr(jit, op)(*args))
     for name, dt in (("fp16", torch.float16), ("bf16", torch.bfloat16)):
         def rnd(*s, scale=1.0):
             return (torch.randn(*s) * scale).to(dt).to(dev)
-        for rows, n in ((1, 64), (37, 1000), (3, 4096)):
-            x, r, w = rnd(rows, n), rnd(rows, n), 1 + rnd(n, scale=0.1)
-            out[f"{name}/rms_norm/{rows}x{n}"] = err(K.rms_norm(x, w, 1e-6), R.rms_norm_fp32(x, w, 1e-6))
-            y, h = K.add_rms_norm(x, r, w, 1e-6)
-            out[f"{name}/add_rms_norm/{rows}x{n}"] = err(y, R.add_rms_norm_fp32(x, r, w, 1e-6)[0])
-            yr, hr = R.add_rms_norm(x, r, w, 1e-6)
-            out[f"{name}/add_rms_norm_residual_exact/{rows}x{n}"] = bool(torch.equal(h, hr))
-            out[f"{name}/add_rms_norm_vs_chain/{rows}x{n}"] = err(y, yr)
-        for b, hq, hk, s, d in ((8, 16, 8, 1, 128), (2, 4, 2, 7, 64)):
-            q = rnd(b, s, hq, d).transpose(1, 2)
-            k = rnd(b, s, hk, d).transpose(1, 2)
-            f = torch.rand(b, s, d // 2) * 50
-            cos = torch.cat([f.cos(), f.cos()], -1).to(dt).to(dev)
-            sin = torch.cat([f.sin(), f.sin()], -1).to(dt).to(dev)
-            out[f"{name}/rope/{b}x{hq}x{s}x{d}"] = err(K.rope(q, k, cos, sin), R.rope_fp32(q, k, cos, sin))
-        for b, h, sq, sk in ((8, 16, 1, 77), (2, 4, 5, 300)):
-            sc = rnd(b, h, sq, sk, scale=4.0)
-            mask = torch.zeros(b, 1, sq, sk, dtype=dt, device=dev)
-            mask[..., sk - sk // 3 :] = torch.finfo(dt).min
-            out[f"{name}/masked_softmax/{b}x{h}x{sq}x{sk}"] = err(
-                K.masked_softmax(sc, mask, 0.125), R.masked_softmax_fp32(sc, mask, 0.125))
-            out[f"{name}/softmax_nomask/{b}x{h}x{sq}x{sk}"] = err(
-                K.masked_softmax(sc, None, 0.125), R.masked_softmax_fp32(sc, None, 0.125))
-        for rows, n in ((1, 3072), (9, 1500)):
-            g, u = rnd(rows, 2 * n).chunk(2, -1)
-            out[f"{name}/swiglu/{rows}x{n}"] = err(K.swiglu(g, u), R.swiglu_fp32(g, u))
-    K.MAX_PROGRAMS = 3  # more rows than programs: the grid-stride loop
-    x = torch.randn(11, 64).to(torch.float16).to(dev)
-    w = torch.ones(64, dtype=torch.float16, device=dev)
-    out["fp16/rms_norm/looped"] = err(K.rms_norm(x, w, 1e-6), R.rms_norm_fp32(x, w, 1e-6))
+        # the second pass replays every key of the first with new tensors; 5 then 7 rows:
+        # a new exact key on a recorded specialization (replayed without Triton's JIT path)
+        for rep in range(2 if full else 1):
+            for rows, n in ((1, 64), (37, 1000), (3, 4096), (5, 1000), (7, 1000), (11, 64)):
+                impls = (ops, looped) if rows == 11 else (ops,)
+                x, r, w = rnd(rows, n), rnd(rows, n), 1 + rnd(n, scale=0.1)
+                t = f"{name}/rms_norm/{rows}x{n}/{rep}"
+                check(t, "rms_norm", (x, w, 1e-6), R.rms_norm_fp32(x, w, 1e-6), impls)
+                t = f"{name}/add_rms_norm/{rows}x{n}/{rep}"
+                check(t, "add_rms_norm", (x, r, w, 1e-6), R.add_rms_norm_fp32(x, r, w, 1e-6), impls)
+                y, h = ops.add_rms_norm(x, r, w, 1e-6)
+                yr, hr = R.add_rms_norm(x, r, w, 1e-6)
+                out[f"{name}/add_rms_norm_residual_exact/{rows}x{n}/{rep}"] = bool(torch.equal(h, hr))
+                if (rows, n) in ((1, 64), (37, 1000), (3, 4096)):  # bit-identical on these
+                    out[f"{name}/add_rms_norm_vs_chain/{rows}x{n}/{rep}"] = err(y, yr)
+            # a row view at an odd offset: another pointer alignment, another specialization
+            big = rnd(9, 80)
+            xv, wv = big[:, 1:65], 1 + rnd(64, scale=0.1)
+            check(f"{name}/rms_norm/misaligned/{rep}", "rms_norm", (xv, wv, 1e-6),
+                  R.rms_norm_fp32(xv, wv, 1e-6))
+            for b, hq, hk, s, d in ((8, 16, 8, 1, 128), (2, 4, 2, 7, 64), (3, 4, 2, 4, 64)):
+                impls = (ops, looped) if b * s > 3 else (ops,)
+                q = rnd(b, s, hq, d).transpose(1, 2)
+                k = rnd(b, s, hk, d).transpose(1, 2)
+                f = torch.rand(b, s, d // 2) * 50
+                cos = torch.cat([f.cos(), f.cos()], -1).to(dt).to(dev)
+                sin = torch.cat([f.sin(), f.sin()], -1).to(dt).to(dev)
+                check(f"{name}/rope/{b}x{hq}x{s}x{d}/{rep}", "rope", (q, k, cos, sin),
+                      R.rope_fp32(q, k, cos, sin), impls)
+            # the attention span grows every decode step: 77, 78, 79 (new keys, one kernel)
+            for b, h, sq, sk in ((8, 16, 1, 77), (8, 16, 1, 78), (8, 16, 1, 79), (2, 4, 5, 300)):
+                sc = rnd(b, h, sq, sk, scale=4.0)
+                mask = torch.zeros(b, 1, sq, sk + 3, dtype=dt, device=dev)
+                mask[..., sk - sk // 3 :] = torch.finfo(dt).min
+                check(f"{name}/masked_softmax/{b}x{h}x{sq}x{sk}/{rep}", "masked_softmax",
+                      (sc, mask, 0.125), R.masked_softmax_fp32(sc, mask[..., :sk], 0.125),
+                      (ops, looped))
+                check(f"{name}/softmax_nomask/{b}x{h}x{sq}x{sk}/{rep}", "masked_softmax",
+                      (sc, None, 0.125), R.masked_softmax_fp32(sc, None, 0.125))
+            for rows, n in ((1, 3072), (9, 1500)):
+                g, u = rnd(rows, 2 * n).chunk(2, -1)
+                check(f"{name}/swiglu/{rows}x{n}/{rep}", "swiglu", (g, u),
+                      R.swiglu_fp32(g, u), (ops, looped))
+    out["paths"] = [ops.paths(), looped.paths(), jit.paths()]
+    # a Triton launch hook installed (a profiler): recorded replays skip it, results unchanged
+    knobs = getattr(__import__("triton"), "knobs", None)
+    if knobs is not None and dev == "cuda":
+        calls = []
+        hook = lambda *a: calls.append(1)
+        rt = knobs.runtime
+        prev = rt.launch_enter_hook
+        if hasattr(prev, "add"):  # Triton >= 3.5: a chain of hooks
+            prev.add(hook)
+        else:
+            rt.launch_enter_hook = hook
+        try:
+            hooked = K.make_ops()
+            w = torch.ones(256, device=dev).half()
+            for _ in range(3):  # recorded once (hook called), then replayed (not called)
+                x = torch.randn(4, 256, device=dev).half()
+                y = hooked.rms_norm(x, w, 1e-6)
+                out["fp16/rms_norm/hooked"] = err(y, R.rms_norm_fp32(x, w, 1e-6))
+                out["fp16/rms_norm/hooked/same_as_jit"] = same(y, jit.rms_norm(x, w, 1e-6))
+        finally:
+            if hasattr(prev, "add"):
+                prev.remove(hook)
+            else:
+                rt.launch_enter_hook = prev
+        out["hooked_paths"] = hooked.paths()
+        out["hook_calls"] = len(calls)  # 1 recording + 3 launches of the JIT-path instance
+    torch.cuda.synchronize() if dev == "cuda" else None
     print(json.dumps(out))
     """
 )
 
 
-def _judge(results: dict, *, bf16_exact: bool) -> None:
+def _judge(results: dict, *, bf16_exact: bool, recorded: bool) -> None:
+    paths = results.pop("paths")
+    hooked = results.pop("hooked_paths", None)
+    hook_calls = results.pop("hook_calls", None)
+    assert hook_calls in (None, 4), hook_calls
+    if recorded:  # the compiled launcher replayed: no key fell back to Triton's JIT launch
+        for p in [*paths[:2], *([hooked] if hooked else [])]:
+            assert p["path"] in ("recorded", "recorded-call", "mixed"), p
+            assert all(k["jit"] == 0 for k in p["kernels"].values()), p
+            assert not p["errors"], p
+    else:  # Triton's interpreter: nothing to record, every key keeps the JIT launch
+        for p in paths[:2]:
+            assert p["path"] == "jit", p
+    assert paths[2]["path"] == "jit" and paths[2]["errors"] == ["recording is off"]
     for key, value in results.items():
         dtype = key.split("/")[0]
+        if key.endswith("same_as_jit"):
+            assert value is True, key
+            continue
         if "residual_exact" in key:
             # Triton's CPU interpreter truncates float32 -> bf16 (the GPU rounds to nearest)
             if dtype == "fp16" or bf16_exact:
@@ -102,13 +174,13 @@ def test_kernels_under_the_triton_interpreter() -> None:
     pytest.importorskip("torch")
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    _judge(_run("cpu", env), bf16_exact=False)
+    _judge(_run("cpu", env), bf16_exact=False, recorded=False)
 
 
 @pytest.mark.gpu
 def test_kernels_on_gpu() -> None:
     pytest.importorskip("triton")
-    _judge(_run("cuda", dict(os.environ)), bf16_exact=True)
+    _judge(_run("cuda", dict(os.environ)), bf16_exact=True, recorded=True)
 
 
 @pytest.mark.gpu
