@@ -845,7 +845,7 @@ def build_bundle(
         shape, ids, _ = _point_traces(name, m, kind, params, p["dtype"], p["seed"])
         gen = {"kind": kind, "seed": p["seed"], "params": params}
         th = w.add_trace(ids, experts=shape.experts, generator=gen)
-        cls = classify(ids, shape.experts, kind)
+        cls = classify(ids, shape.experts)
         t = p["tasks"]
         final = t[f"p{i}-final"]
         run_ids = {}

@@ -9,7 +9,6 @@ and tuner key on; ``classify`` buckets them into a coarse routing class.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import numbers
@@ -33,7 +32,6 @@ ACCEPTED_FORM = (
 )
 
 #: Version tag of the canonical byte form hashed by ``trace_hash``.
-_HASH_TAG = b"mxdb.topk.v1\0"
 
 
 def _fail(problem: str) -> TraceError:
@@ -242,20 +240,18 @@ def validate_ids(ids: IdArray, *, experts: int | None = None, topk: int | None =
     return np.ascontiguousarray(ids, dtype=np.int64)
 
 
-def trace_hash(ids: Any) -> str:
-    """SHA-256 (16 hex digits) of the canonical byte form of a trace.
+def trace_hash(ids: Any, experts: int) -> str:
+    """A trace's identity, the one evidence bundles record: SHA-256 of the canonical JSON
+    ``{experts, ids}`` (16 hex digits).
 
-    The form is a version tag, the shape (two little-endian int64) and the ids
-    as little-endian int32, so a list, a .json file, a .npy file and a tensor
-    holding the same ids hash the same.
+    A list, a .json file, a .npy file and a tensor holding the same ids hash the same.
     """
+    from mxdb.evidence.files import trace_hash as canonical
+
     arr = ids if isinstance(ids, np.ndarray) and ids.dtype == np.int64 else load_topk(ids)
     if arr.ndim != 2:
         raise _fail(f"cannot hash a {arr.ndim}-D array")
-    digest = hashlib.sha256(_HASH_TAG)
-    digest.update(np.asarray(arr.shape, dtype="<i8").tobytes())
-    digest.update(np.ascontiguousarray(arr, dtype="<i4").tobytes())
-    return digest.hexdigest()[:16]
+    return canonical(int(experts), arr.tolist())
 
 
 # ---------------------------------------------------------------- features
@@ -339,7 +335,7 @@ def features(ids: Any, experts: int, align_block: int = 16) -> RoutingFeatures:
         align_block=int(align_block),
     )
     return RoutingFeatures(
-        **stats, routing_class=_classify_counts(counts, m, k), trace_hash=trace_hash(arr)
+        **stats, routing_class=_classify_counts(counts, m, k), trace_hash=trace_hash(arr, experts)
     )
 
 

@@ -83,11 +83,11 @@ def test_every_form_loads_the_same_array_and_hash(tmp_path: Path, trace: Any) ->
         load_topk(FakeTensor(np.asarray(rows, dtype=np.int64)), experts=experts),
         load_topk(tuple(tuple(r) for r in rows), experts=experts),
     ]
-    h = trace_hash(as_list)
+    h = trace_hash(as_list, experts)
     for arr in forms:
         np.testing.assert_array_equal(arr, as_list)
-        assert trace_hash(arr) == h
-    assert trace_hash(rows) == h
+        assert trace_hash(arr, experts) == h
+    assert trace_hash(rows, experts) == h
 
 
 def test_recorded_trace_files_agree() -> None:
@@ -95,14 +95,22 @@ def test_recorded_trace_files_agree() -> None:
     arrays.append(load_topk(DATA / "small_object.json"))
     for arr in arrays:
         np.testing.assert_array_equal(arr, np.asarray(SMALL))
-    assert len({trace_hash(a) for a in arrays}) == 1
+    assert len({trace_hash(a, 8) for a in arrays}) == 1
 
 
 def test_trace_hash_depends_on_shape_and_order() -> None:
     flat = [[0, 1, 2, 3]]
-    assert trace_hash(flat) != trace_hash([[0, 1], [2, 3]])
-    assert trace_hash([[0, 1], [2, 3]]) != trace_hash([[1, 0], [2, 3]])
-    assert len(trace_hash(flat)) == 16
+    assert trace_hash(flat, 8) != trace_hash([[0, 1], [2, 3]], 8)
+    assert trace_hash([[0, 1], [2, 3]], 8) != trace_hash([[1, 0], [2, 3]], 8)
+    assert trace_hash(flat, 8) != trace_hash(flat, 16)  # the expert count is part of it
+    assert len(trace_hash(flat, 8)) == 16
+
+
+def test_trace_hash_is_the_evidence_definition() -> None:
+    from mxdb.evidence.files import trace_hash as evidence_hash
+
+    ids = [[0, 3], [5, 1], [2, 7]]
+    assert trace_hash(ids, 8) == evidence_hash(8, ids)
 
 
 @pytest.mark.parametrize(
@@ -229,7 +237,7 @@ def test_analyze_trace_file() -> None:
     f = analyze_trace(DATA / "small_object.json", 8, 4)
     assert (f.tokens, f.topk, f.experts, f.align_block) == (5, 2, 8, 4)
     assert f.counts == [2, 1, 2, 2, 0, 1, 1, 1]
-    assert f.trace_hash == trace_hash(SMALL)
+    assert f.trace_hash == trace_hash(SMALL, 8)
 
 
 # ---------------------------------------------------------------- classes

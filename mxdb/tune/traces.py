@@ -16,13 +16,11 @@ from typing import Any
 
 import numpy as np
 
+from mxdb import routing, routing_gen
 from mxdb.errors import TraceError, WorkloadError
 from mxdb.evidence.files import trace_hash
 from mxdb.shapes import MoEShape
 from mxdb.tune.workload import HotRouting, ReplayRouting, RoutingSource, Workload, ZipfRouting
-
-#: The routing class assumed for each generator when no classifier is available.
-_KIND_CLASS = {"uniform": "uniform", "zipf": "skewed", "hot": "hot", "replay": "uniform"}
 
 
 @dataclass(frozen=True)
@@ -63,11 +61,7 @@ def _params(src: RoutingSource) -> dict[str, Any]:
 
 
 def generate(kind: str, shape: MoEShape, seed: int, params: dict[str, Any]) -> np.ndarray:
-    """Generated top-k ids for ``shape`` (``mxdb.routing_gen`` when present)."""
-    try:
-        from mxdb import routing_gen
-    except ImportError:  # TRANSITION: until mxdb.routing_gen lands
-        return _fallback_generate(kind, shape, seed, params)
+    """Generated top-k ids for ``shape`` (``mxdb.routing_gen``)."""
     # the workload's field names -> the generator's parameter names
     names = {"exponent": "s", "expert": "hot_expert"}
     gen_params = {names.get(k, k): v for k, v in params.items()}
@@ -77,12 +71,8 @@ def generate(kind: str, shape: MoEShape, seed: int, params: dict[str, Any]) -> n
     return np.asarray(ids, dtype=np.int64)
 
 
-def classify(ids: np.ndarray, experts: int, kind: str) -> str:
-    """The routing class of ``ids`` (``mxdb.routing`` when present)."""
-    try:
-        from mxdb import routing
-    except ImportError:  # TRANSITION
-        return _KIND_CLASS.get(kind, "uniform")
+def classify(ids: np.ndarray, experts: int) -> str:
+    """The routing class of ``ids`` (``mxdb.routing``'s classifier)."""
     cls: Any = routing.classify(routing.features(ids, experts))
     return str(getattr(cls, "value", cls))
 
@@ -99,7 +89,7 @@ def point_traces(workload: Workload, shape: MoEShape, routing_index: int) -> tup
         ids = generate(src.kind, shape, seed, _params(src))
         gen = {"kind": src.kind, "seed": seed, "params": _params(src)}
         syn_kind, syn_params = src.kind, _params(src)
-    cls = classify(ids, shape.experts, src.kind)
+    cls = classify(ids, shape.experts)
     replay = Trace(ids, trace_hash(shape.experts, ids.tolist()), cls, gen)
     syn_seed = (seed + 0x9E3779B1) % 2**32
     syn_ids = generate(syn_kind, shape, syn_seed, syn_params)
@@ -145,24 +135,3 @@ def _read_replay(workload: Workload, src: ReplayRouting, shape: MoEShape) -> np.
     # the first M tokens; a shorter trace is repeated cyclically to M tokens
     reps = -(-shape.tokens // ids.shape[0])
     return np.tile(ids, (reps, 1))[: shape.tokens]
-
-
-def _fallback_generate(kind: str, shape: MoEShape, seed: int, params: dict[str, Any]) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    e, k = shape.experts, shape.topk
-    if kind == "zipf":
-        w = 1.0 / np.arange(1, e + 1) ** float(params.get("exponent", 1.2))
-        w = w[rng.permutation(e)]
-    else:
-        w = np.ones(e)
-    w = w / w.sum()
-    out = np.empty((shape.tokens, k), dtype=np.int64)
-    for t in range(shape.tokens):
-        if kind == "hot" and rng.random() < float(params.get("fraction", 0.5)):
-            hot = int(params.get("expert", 0))
-            rest = np.delete(np.arange(e), hot)
-            pick = rng.choice(rest, size=k - 1, replace=False) if k > 1 else np.array([], int)
-            out[t] = np.concatenate([[hot], pick])
-        else:
-            out[t] = rng.choice(e, size=k, replace=False, p=w)
-    return out
