@@ -79,7 +79,8 @@ def record_plan(
     Each Triton launch is captured at Triton's launcher (``driver.active.launcher_cls``) with its
     grid and argument list; the call's own tensors are found in the list by identity and become
     slots of the plan.  Triton launch hooks (profilers) are not called by the replay.  Raises
-    ``RuntimeError`` when a step launched nothing: the caller then keeps the pipeline.
+    ``RuntimeError`` when a step launched nothing or Triton's argument layout is not the flat one
+    this recorder knows: the caller then keeps the pipeline.
     """
     from triton.runtime import driver
 
@@ -109,6 +110,13 @@ def record_plan(
         if not log:
             raise RuntimeError(f"step {len(steps)} launched no Triton kernel")
         for launcher, gx, gy, gz, function, args in log:
+            if any(isinstance(a, (tuple, list)) for a in args[4:]):
+                # A newer Triton packs the kernel arguments into one tuple: the call's tensors
+                # would not be found by identity and the replay would reuse the recording's.
+                raise RuntimeError(
+                    "Triton passed the kernel arguments in a layout this recorder does not "
+                    "know (nested); keeping the pipeline"
+                )
             scratch = getattr(launcher, "global_scratch_size", 0) or getattr(
                 launcher, "profile_scratch_size", 0
             )
