@@ -5,13 +5,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! command -v mxdb >/dev/null 2>&1; then
+# mxdb from this checkout, in its own virtual environment (made on first use)
+if [ ! -x .venv/bin/mxdb ]; then
   python3 -m venv .venv
-  # shellcheck disable=SC1091
-  . .venv/bin/activate
-  python -m pip install -q --upgrade pip
-  python -m pip install -q -e .
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -e .
 fi
+# shellcheck disable=SC1091
+. .venv/bin/activate
 
 echo "== mxdb audit evidence/"
 mxdb audit evidence/
