@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +25,8 @@ from typing import Any
 
 import torch
 from mxdb.kernels.decode_launch import RECORDED, DecodeOps
+
+from mxdb.fileio import atomic_write_text
 
 
 def c_launch(*args: Any) -> None:
@@ -141,13 +141,7 @@ def main() -> None:
             f"{r['op']:>15} [{r['path']}]: {r['us_per_call']:.2f} us/call "
             f"({r['calls_per_s']:,.0f} calls/s), replay alone {r['replay_us_per_call']:.2f} us"
         )
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=a.out.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, a.out)
+    atomic_write_text(a.out, json.dumps(doc, indent=2))
 
 
 if __name__ == "__main__":

@@ -15,14 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from mxdb.kernels.lean import OUT, TOPK_IDS, TOPK_WEIGHTS, LaunchPlan, LeanLayer, Step, X
+
+from mxdb.fileio import atomic_write_text
 
 
 class FakeTensor:
@@ -114,13 +114,7 @@ def main() -> None:
             f"M={r['tokens']:>3} launches={r['launches']}: {r['us_per_call']:.2f} us/call, "
             f"{r['calls_per_s']:,.0f} calls/s"
         )
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=a.out.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, a.out)
+    atomic_write_text(a.out, json.dumps(doc, indent=2))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import tempfile
 import time
@@ -46,6 +45,7 @@ import transformers
 
 from mxdb.configs import config_hash
 from mxdb.dispatcher import Dispatcher, DispatchOptions
+from mxdb.fileio import atomic_write_text
 from mxdb.integrations import transformers as mxt
 from mxdb.integrations.impls import torch_impls
 from mxdb.models import Entry, Fingerprint
@@ -271,13 +271,7 @@ def main() -> None:
     print(f"{'op':22s} {'tokens':>6s} {'stock us':>9s} {'patched us':>11s}")
     for r in rows:
         print(f"{r['op']:22s} {r['tokens']:6d} {r['stock_us']:9.2f} {r['patched_us']:11.2f}")
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_path = tempfile.mkstemp(dir=a.out.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp_path, a.out)
+    atomic_write_text(a.out, json.dumps(doc, indent=2))
 
 
 if __name__ == "__main__":

@@ -27,22 +27,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from mxdb.fileio import atomic_write_text
+
 TOKENS = (1, 2, 4, 8, 16, 64, 256)
 
 
 def atomic_json(path: Path, doc: Any) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(doc))
 
 
 def synced(torch: Any, fn: Any, n: int) -> list[float]:
@@ -88,7 +84,6 @@ def publish(raw_path: Path, bundle: Path) -> None:
     from mxdb.evidence.lean_layer import LEAN_LAYER_FILE, LeanLayerDoc, build_lean_layer
     from mxdb.evidence.models import FingerprintDoc
     from mxdb.evidence.writer import make_correctness, write_manifest
-    from mxdb.fileio import atomic_write_text
     from mxdb.models import Fingerprint
     from mxdb.shapes import preset_shape
 

@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from mxdb.fileio import atomic_write_text
 
 FAMILIES = {"mixtral-8x7b": "E=8,N=14336", "qwen3-30b-a3b": "E=128,N=768"}
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
@@ -40,13 +41,7 @@ ROUTINGS = {"uniform": {}, "zipf": {"s": 1.2}, "hot": {"fraction": 0.5, "hot_exp
 
 
 def atomic_json(path: Path, doc: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(doc, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps(doc))
 
 
 def vllm_config(table: dict[str, Any], tokens: int) -> Any:
@@ -257,7 +252,6 @@ def publish(raw_path: Path, bundle: Path) -> None:
     from mxdb.evidence.files import atomic_write, dumps
     from mxdb.evidence.peers import PEERS_FILE, PeersDoc, build_peers
     from mxdb.evidence.writer import BundleWriter, load_runs, write_manifest
-    from mxdb.fileio import atomic_write_text
     from mxdb.models import Fingerprint
     from mxdb.shapes import preset_shape
 
