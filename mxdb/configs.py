@@ -8,13 +8,13 @@ that no GEMM tile straddles two experts.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from mxdb.errors import ConfigError
+from mxdb.hashing import canonical_hash
 
 #: Triton's spelling of each GemmConfig field, as vLLM and FlagGems tables write it.
 TRITON_KEYS = {
@@ -150,8 +150,7 @@ class KernelConfig(BaseModel):
 
 def config_hash(config: dict[str, Any]) -> str:
     """The identity of any op's config dict: SHA-256 of its canonical JSON, 16 hex digits."""
-    text = json.dumps(config, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return canonical_hash(config)
 
 
 def _gemm_any(data: Any) -> GemmConfig:

@@ -5,12 +5,12 @@ Hot-path keys are not here: see ``mxdb.shapes`` and ``mxdb.decision``.
 
 from __future__ import annotations
 
-import hashlib
-import json
 from datetime import datetime, timezone
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from mxdb.hashing import canonical_hash
 
 #: Environment fingerprint components, in a fixed order (DESIGN section 6).
 FINGERPRINT_COMPONENTS: tuple[str, ...] = (
@@ -74,8 +74,7 @@ class Fingerprint(BaseModel):
     @property
     def hash(self) -> str:
         """SHA-256 of the canonical JSON of all components (hex, 16 digits): stable across runs."""
-        text = json.dumps(self.components(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        return canonical_hash(self.components())
 
     def absent(self) -> list[str]:
         return [k for k, v in self.components().items() if v is None]

@@ -38,6 +38,7 @@ from mxdb.evidence.files import (
 from mxdb.evidence.models import KNOWN_VERSIONS
 from mxdb.evidence.summary import group_key, run_passes, summarize
 from mxdb.evidence.thresholds import THRESHOLDS
+from mxdb.hashing import canonical_hash
 from mxdb.models import FINGERPRINT_COMPONENTS
 
 _NAN = float("nan")
@@ -58,9 +59,7 @@ def _fmt(x: Any) -> str:
 
 def fingerprint_hash(fp: Mapping[str, Any]) -> str:
     """``mxdb.models.Fingerprint.hash`` of a fingerprint dict, without pydantic."""
-    comps = {k: fp.get(k) for k in FINGERPRINT_COMPONENTS}
-    text = json.dumps(comps, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return canonical_hash({k: fp.get(k) for k in FINGERPRINT_COMPONENTS})
 
 
 def _same(a: Any, b: Any, rel: float, abs_: float) -> bool:

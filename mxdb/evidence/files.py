@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from mxdb.fileio import atomic_write_bytes
+from mxdb.hashing import canonical_hash
 
 MANIFEST_NAME = "manifest.json"
 SIGNATURES_DIR = "signatures"
@@ -86,5 +87,4 @@ def scan_tree(root: Path) -> tuple[dict[str, Path], list[str], list[str]]:
 
 def trace_hash(experts: int, ids: list[list[int]]) -> str:
     """A trace's identity: SHA-256 of canonical JSON ``{experts, ids}``, 16 hex digits."""
-    text = json.dumps({"experts": experts, "ids": ids}, sort_keys=True, separators=(",", ":"))
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    return canonical_hash({"experts": experts, "ids": ids})

@@ -21,7 +21,6 @@ and replayed identically to every candidate.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +37,7 @@ from pydantic import (
 )
 
 from mxdb.errors import ShapeError, WorkloadError
+from mxdb.hashing import canonical_hash
 from mxdb.shapes import PRESETS, MoEShape, canonical_dtype
 
 _STRICT = ConfigDict(frozen=True, extra="forbid")
@@ -244,8 +244,7 @@ class Workload(BaseModel):
         for name in _LATER_SEARCH_FIELDS:
             if data["search"].get(name) == SearchOptions.model_fields[name].default:
                 data["search"].pop(name, None)
-        text = json.dumps(data, sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(text.encode()).hexdigest()[:16]
+        return canonical_hash(data)
 
     def resolve(self, path: str) -> Path:
         p = Path(path)
