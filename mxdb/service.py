@@ -66,16 +66,13 @@ def store_info(db: str | None) -> dict[str, Any]:
     from mxdb.store import Store
 
     with Store.open(db) as store:
-        entries = store.entries()
-        by_status: dict[str, int] = {}
-        for e in entries:
-            by_status[e.status] = by_status.get(e.status, 0) + 1
+        by_status = store.count_entries()
         return {
             "url": store.url,
             "dialect": store.dialect,
             "revision": store.revision(),
             "generation": store.generation(),
-            "entries": len(entries),
+            "entries": sum(by_status.values()),
             "entries_by_status": by_status,
             "fingerprints": len(store.fingerprints()),
         }

@@ -275,3 +275,11 @@ def test_unusable_urls(tmp_path: Path) -> None:
         Store.open("mysql+nosuchdriver://u@h/db")
     with pytest.raises(StoreError, match="cannot open"):
         Store.open("postgresql+psycopg://nobody@127.0.0.1:1/none?connect_timeout=2")
+
+
+def test_count_entries_by_status(store: Store) -> None:
+    ids = store.add_entries([entry(16), entry(32), entry(64, routing_class="skewed")])
+    store.set_status([ids[0]], "stale")
+    assert store.count_entries() == {"verified": 2, "stale": 1}
+    assert store.count_entries(status="verified") == {"verified": 2}
+    assert store.count_entries(op="no_such_op") == {}

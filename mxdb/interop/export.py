@@ -130,9 +130,9 @@ def import_export(store: Store, path: str | Path) -> dict[str, int]:
     doc = read_export(path)
     for fp in doc.fingerprints.values():
         store.put_fingerprint(fp)
-    before = len(store.entries())
+    before = sum(store.count_entries().values())
     store.add_entries([e.model_copy(update={"id": None}) for e in doc.entries])
-    return {"read": len(doc.entries), "added": len(store.entries()) - before}
+    return {"read": len(doc.entries), "added": sum(store.count_entries().values()) - before}
 
 
 def import_vllm(
@@ -154,9 +154,9 @@ def import_vllm(
             continue
         entries.extend(found)
     report.read = len(entries)
-    before = len(store.entries(source="vllm"))
+    before = sum(store.count_entries(source="vllm").values())
     store.add_entries(entries)
-    report.added = len(store.entries(source="vllm")) - before
+    report.added = sum(store.count_entries(source="vllm").values()) - before
     return report
 
 

@@ -143,6 +143,32 @@ def _natural_key(values: dict[str, Any]) -> tuple[Any, ...]:
     )
 
 
+def _entry_conds(
+    op: str | None,
+    dtype: str | None,
+    family: str | None,
+    status: str | Sequence[str] | None,
+    fingerprint_hash: str | None,
+    source: str | None,
+) -> list[ColumnElement[bool]]:
+    """The WHERE conditions of an entries filter (None means any)."""
+    conds: list[ColumnElement[bool]] = []
+    for column, value in (
+        (entries_t.c.op, op),
+        (entries_t.c.dtype, dtype),
+        (entries_t.c.family, family),
+        (entries_t.c.fingerprint_hash, fingerprint_hash),
+        (entries_t.c.source, source),
+    ):
+        if value is not None:
+            conds.append(column == value)
+    if isinstance(status, str):
+        conds.append(entries_t.c.status == status)
+    elif status is not None:
+        conds.append(entries_t.c.status.in_(list(status)))
+    return conds
+
+
 def _check_sqlite_file(path: Path) -> None:
     """Refuse a path that is not a SQLite database, before SQLite touches it."""
     if path.is_dir():
@@ -387,23 +413,26 @@ class Store:
         source: str | None = None,
     ) -> list[Entry]:
         """Entries matching every given filter, by id."""
-        conds: list[ColumnElement[bool]] = []
-        for column, value in (
-            (entries_t.c.op, op),
-            (entries_t.c.dtype, dtype),
-            (entries_t.c.family, family),
-            (entries_t.c.fingerprint_hash, fingerprint_hash),
-            (entries_t.c.source, source),
-        ):
-            if value is not None:
-                conds.append(column == value)
-        if isinstance(status, str):
-            conds.append(entries_t.c.status == status)
-        elif status is not None:
-            conds.append(entries_t.c.status.in_(list(status)))
+        conds = _entry_conds(op, dtype, family, status, fingerprint_hash, source)
         with self._read("reading entries") as conn:
             rows = conn.execute(select(entries_t).where(*conds).order_by(entries_t.c.id)).all()
         return [_entry_from_row(r) for r in rows]
+
+    def count_entries(
+        self,
+        *,
+        op: str | None = None,
+        dtype: str | None = None,
+        family: str | None = None,
+        status: str | Sequence[str] | None = None,
+        fingerprint_hash: str | None = None,
+        source: str | None = None,
+    ) -> dict[str, int]:
+        """How many entries match every given filter, by status (one query, no rows read)."""
+        conds = _entry_conds(op, dtype, family, status, fingerprint_hash, source)
+        query = select(entries_t.c.status, func.count()).where(*conds).group_by(entries_t.c.status)
+        with self._read("counting entries") as conn:
+            return {str(st): int(n) for st, n in conn.execute(query).all()}
 
     def get_entry(self, id: int) -> Entry:
         with self._read("reading an entry") as conn:
