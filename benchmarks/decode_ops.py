@@ -127,7 +127,42 @@ def count_launches(model: Any, ids: torch.Tensor, steps: int) -> int:
     return int(launches)
 
 
-def run_model(name: str, cfg: Any, args: argparse.Namespace, dispatcher: Any) -> dict[str, Any]:
+class ShapeRecorder:
+    """A dispatcher that answers every call with a fallback and remembers the decode op shapes."""
+
+    def __init__(self) -> None:
+        self.shapes: set[Any] = set()
+
+    def dispatch(self, shape: Any, routing: Any = None) -> Decision:
+        from mxdb.decision import fallback
+
+        if shape.op != "fused_moe":
+            self.shapes.add(shape)
+        return fallback("no_entry")
+
+
+def decode_cases(model: Any, ids: torch.Tensor, steps: int) -> list[Any]:
+    """The decode-op shapes ``model`` asks for over ``steps`` decode steps (every op patched)."""
+    from mxdb.integrations import transformers as mxt
+    from mxdb.tune.decode import DecodeCase
+
+    rec = ShapeRecorder()
+    mxt.patch(model, dispatcher=rec)
+    try:
+        decode(model, ids, steps)
+    finally:
+        mxt.unpatch(model)
+    out = []
+    for s in sorted(rec.shapes):
+        dims = type(s).__getnewargs__(s)[1]
+        out.append(DecodeCase(s.op, dims, s.tokens, s.dtype))
+    return out
+
+
+def run_model(
+    name: str, cfg: Any, args: argparse.Namespace, dispatcher: Any
+) -> tuple[dict[str, Any], list[Any]]:
+    """Time every variant (interleaved rounds), then count launches; the model doc and cases."""
     from mxdb.integrations import transformers as mxt
 
     dtype = torch.bfloat16
@@ -139,33 +174,70 @@ def run_model(name: str, cfg: Any, args: argparse.Namespace, dispatcher: Any) ->
     if is_moe:
         ops.append("moe")
     variants_ops = [("stock", []), *((op, [op]) for op in ops), ("all", ops)]
+    cases: list[Any] = []
+    if args.tune is not None:
+        from mxdb.kernels.decode_backend import DecodeGpuBackend
+
+        from mxdb.tune.decode import to_json, tune_decode
+
+        cases = decode_cases(model, ids, args.steps)
+        t0 = time.perf_counter()
+        results = tune_decode(
+            DecodeGpuBackend(0, method="eager"), cases, dispatcher.store, reps=args.tune_reps
+        )
+        print(f"{name}: tuned {len(cases)} decode shapes in {time.perf_counter() - t0:.1f} s")
+        for r in results:
+            print("  ", json.dumps(to_json(r)), flush=True)
+        dispatcher.refresh()
+        cases = results
     decode(model, ids, 4)  # warm up the stock model
-    stock_times, stock_logits = decode(model, ids, args.steps)
+    stock_logits: list[torch.Tensor] = []
+    times: dict[str, list[float]] = {v: [] for v, _ in variants_ops}
+    diffs: dict[str, float] = {}
+    per_round = max(1, args.steps // args.rounds)
+    # Rounds of every variant in turn, so that a drift of the machine touches all alike.
+    for rnd in range(args.rounds):
+        for vname, vops in variants_ops:
+            if vops:
+                mxt.patch(model, dispatcher=dispatcher, ops=vops)
+            try:
+                if rnd == 0:
+                    decode(model, ids, 4)  # compile and record the kernels
+                t, logits = decode(model, ids, per_round)
+            finally:
+                if vops:
+                    mxt.unpatch(model)
+            times[vname] += t
+            if not vops and rnd == 0:
+                stock_logits = logits
+            elif rnd == 0:
+                diffs[vname] = max(
+                    (a - b).abs().max().item() for a, b in zip(stock_logits, logits, strict=True)
+                )
     variants = []
     for vname, vops in variants_ops:
         if vops:
             mxt.patch(model, dispatcher=dispatcher, ops=vops)
-            decode(model, ids, 4)  # compile the kernels
-            times, logits = decode(model, ids, args.steps)
-        else:
-            times, logits = stock_times, stock_logits
-        launches = count_launches(model, ids, args.profile_steps)
-        diff = max((a - b).abs().max().item() for a, b in zip(stock_logits, logits, strict=True))
-        if vops:
-            mxt.unpatch(model)
+        try:
+            launches = count_launches(model, ids, args.profile_steps)
+        finally:
+            if vops:
+                mxt.unpatch(model)
+        t = times[vname]
         variants.append(
             {
                 "name": vname,
                 "ops": vops,
-                "step_s": times,
+                "step_s": t,
                 "launches": launches,
                 "profiled_steps": args.profile_steps,
-                "max_abs_logit_diff": diff if vops else None,
+                "max_abs_logit_diff": diffs.get(vname) if vops else None,
             }
         )
         print(
-            f"{name:10s} {vname:15s} {args.batch / sorted(times)[len(times) // 2]:9.1f} tok/s "
-            f"{launches / args.profile_steps:8.1f} launches/step  max|dlogit| {diff:.4f}",
+            f"{name:10s} {vname:15s} {args.batch / sorted(t)[len(t) // 2]:9.1f} tok/s "
+            f"{launches / args.profile_steps:8.1f} launches/step  "
+            f"max|dlogit| {diffs.get(vname, 0.0):.4f}",
             flush=True,
         )
     config = {k: getattr(cfg, k) for k in ("hidden_size", "num_hidden_layers", "vocab_size")}
@@ -180,17 +252,25 @@ def run_model(name: str, cfg: Any, args: argparse.Namespace, dispatcher: Any) ->
     )
     del model
     torch.cuda.empty_cache()
-    return doc
+    return doc, cases
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True, help="evidence bundle directory (new)")
-    ap.add_argument("--db", default=None, help="store URL with tuned decode entries")
+    ap.add_argument(
+        "--tune",
+        default=None,
+        metavar="URL",
+        help="tune every decode shape the models ask for into this store first, then dispatch "
+        "from it (the per-shape choice); without it every op is forced to --impl",
+    )
+    ap.add_argument("--tune-reps", type=int, default=30, help="timed samples per candidate")
     ap.add_argument("--impl", default="fused", choices=["fused", "flaggems", "torch"])
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=64, help="timed decode steps per variant")
+    ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds the steps split into")
     ap.add_argument("--profile-steps", type=int, default=8)
     ap.add_argument("--models", default="dense,moe")
     args = ap.parse_args()
@@ -200,21 +280,32 @@ def main() -> None:
     from mxdb.fingerprint import collect
 
     fp = collect(live_fingerprint_components(0))
-    if args.db:
+    if args.tune:
         from mxdb.dispatcher import Dispatcher
         from mxdb.store import Store
 
-        dispatcher: Any = Dispatcher(Store.open(args.db), fp)
+        dispatcher: Any = Dispatcher(Store.open(args.tune), fp)
     else:
         dispatcher = Forced(args.impl)
-    models = []
+    models, cases = [], []
     wanted = set(args.models.split(","))
-    if "dense" in wanted:
-        models.append(run_model("qwen3-0.6b-random", dense_config(), args, dispatcher))
-    if "moe" in wanted:
-        models.append(run_model("qwen3-moe-small-random", moe_config(), args, dispatcher))
+    built = [("qwen3-0.6b-random", dense_config), ("qwen3-moe-small-random", moe_config)]
+    for name, make in built:
+        if ("moe" if "moe" in name else "dense") in wanted:
+            doc, tuned = run_model(name, make(), args, dispatcher)
+            models.append(doc)
+            cases += tuned
+    from mxdb.kernels.decode_ops import launch_paths
+
+    from mxdb.evidence.decode import case_doc
+
+    print("launch paths:", json.dumps(launch_paths(), default=str))
     root = write_decode_bundle(
-        args.out, fingerprint=fp, milestone="decode-ops", cases=[], models=models
+        args.out,
+        fingerprint=fp,
+        milestone="decode-ops",
+        cases=[case_doc(r) for r in cases],
+        models=models,
     )
     for m in models:
         print(m["name"], json.dumps(m["claims"].get("all")), "meets_target:", m["meets_target"])

@@ -374,3 +374,11 @@ class _ForcedTorch:
 
     def dispatch(self, shape: Any, routing: Any = None) -> Any:
         return self.decision
+
+
+def test_known_model_without_the_asked_op_says_so(tmp_path: Path) -> None:
+    model = _model("qwen3_moe")  # every layer of this config is sparse: no gated MLP
+    with pytest.warns(UserWarning, match="no module for the ops asked for"):
+        state = mxt.patch(model, dispatcher=Dispatcher(_store(tmp_path), FP), ops=["swiglu"])
+    assert not state.modules
+    mxt.unpatch(model)

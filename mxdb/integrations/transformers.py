@@ -16,7 +16,8 @@ of:
 - every gated MLP with a SiLU activation (``LlamaMLP``, ``Qwen3MLP``, ``Qwen3MoeMLP``):
   ``silu(gate) * up`` becomes op ``swiglu`` (dims ``{n}`` = intermediate size);
 - every sparse MoE block (``Qwen3MoeSparseMoeBlock``, ``MixtralSparseMoeBlock``): the experts
-  run through mxdb's MoE layer (``mxdb.kernels.layer.MoELayer``) with the dispatched config.
+  run through mxdb's MoE layer (``mxdb.kernels.layer.MoELayer``) with the dispatched config,
+  or FlagGems' own config choice for a token count mxdb has no confident answer for.
 
 Each call asks ``dispatcher.dispatch(OpShape(op, dims, rows, dtype), None)`` (a cached dict
 lookup).  The decision's ``config["impl"]`` (``fused``, ``flaggems`` or ``torch``) picks the
@@ -37,7 +38,7 @@ from typing import Any
 
 from mxdb.errors import UsageError
 from mxdb.integrations.impls import DECODE_OPS
-from mxdb.shapes import MoEShape, OpShape, canonical_dtype
+from mxdb.shapes import OpShape, canonical_dtype
 
 #: Every op ``patch`` can route (the decode ops and the MoE block).
 ALL_OPS: tuple[str, ...] = (*DECODE_OPS, "moe")
@@ -170,16 +171,6 @@ class Router:
         _, _, fn, counted = self.route({}, None, op, dims, rows, dtype)
         self.calls[counted] += 1
         return fn
-
-    def moe_decision(self, block: Any, rows: int, dtype: Any) -> Any:
-        e, two_i, h = block.experts.gate_up_proj.shape
-        key = ("moe", e, h, two_i, rows, dtype)
-        shape = self._shapes.get(key)
-        if shape is None:
-            topk = _topk(block)
-            shape = MoEShape(e, h, two_i // 2, topk, max(1, rows), self.dtype(dtype))
-            self._shapes[key] = shape
-        return self.dispatcher.dispatch(shape, None)
 
 
 #: A call key's routing: (OpShape, the decision it came from, impl or None, (op, impl name)).
@@ -512,8 +503,9 @@ def _moe_forward(router: Router, block: Any) -> Callable[..., Any]:
 
     def forward(hidden_states: Any) -> Any:
         bsz, seq, hidden = hidden_states.shape
-        decision = router.moe_decision(block, bsz * seq, hidden_states.dtype)
-        if decision.config is None or not hidden_states.is_cuda or not _moe_usable():
+        # Without a confident answer the layer still runs, with FlagGems' own config choice (as
+        # the FlagGems hook does); only a process that cannot run the kernels keeps the original.
+        if not hidden_states.is_cuda or not _moe_usable():
             router.calls[("moe", "original")] += 1
             return orig(hidden_states)
         import torch
@@ -609,7 +601,14 @@ def patch(
                 state.skipped.append(f"{name} ({type(module).__name__}: activation {act})")
         elif role == "moe" and "moe" in chosen:
             _set_forward(state, module, _moe_forward(router, module), "moe")
-    if not state.modules:
+    known = any(type(m) in roles for m in model.modules())
+    if not state.modules and known:
+        warnings.warn(
+            f"mxdb.integrations.transformers.patch: {type(model).__name__} has no module for "
+            f"the ops asked for ({', '.join(chosen)}); nothing was patched",
+            stacklevel=2,
+        )
+    elif not state.modules:
         kinds = sorted({s.split(" (", 1)[1].rstrip(")") for s in state.skipped})
         warnings.warn(
             f"mxdb.integrations.transformers.patch: {type(model).__name__} is not a model "
