@@ -126,28 +126,45 @@ def test_cli_check_exit_codes_and_json(store: Store, db: str, tmp_path: Path) ->
     assert res.exit_code == 0 and "no drift" in res.output
 
 
+def _fake_medians(be: FakeBackend, shape: Any, config: KernelConfig) -> tuple[float, float]:
+    """The fake backend's medians of ``config`` and of FlagGems' choice, as the guard sees them."""
+    ids = __import__("mxdb.routing_gen", fromlist=["generate"]).generate(
+        "uniform", shape.tokens, shape.experts, shape.topk, 0
+    )
+    t, b = be.time(shape, ids, [config, be.baseline_config(shape)], reps=5, seed=0)
+    return sorted(t.samples_us)[2], sorted(b.samples_us)[2]
+
+
 def test_guard_with_fake_backend(store: Store, db: str) -> None:
     be = FakeBackend(noise=0.001)
     fp = be.fingerprint()
     store.put_fingerprint(fp)
-    shape = SHAPE.with_tokens(16)
-    ids = __import__("mxdb.routing_gen", fromlist=["generate"]).generate("uniform", 16, 8, 2, 0)
-    [t] = be.time(shape, ids, [CFG], reps=5, seed=0)
-    true_us = sorted(t.samples_us)[2]
     other = KernelConfig.uniform(
         GemmConfig(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=2)
     )
-    [t2] = be.time(SHAPE.with_tokens(64), ids, [other], reps=5, seed=0)
-    good, drifted = store.add_entries(
-        [_entry(fp, median_us=true_us),
-         _entry(fp, tokens=64, config=other, median_us=sorted(t2.samples_us)[2] / 2)]
-    )  # fmt: skip
+    s16, s64, s256 = SHAPE.with_tokens(16), SHAPE.with_tokens(64), SHAPE.with_tokens(256)
+    t16, b16 = _fake_medians(be, s16, CFG)
+    t64, b64 = _fake_medians(be, s64, other)
+    t256, b256 = _fake_medians(be, s256, other)
+    good = _entry(fp, median_us=t16).model_copy(update={"speedup": b16 / t16})
+    # recorded as twice the advantage it has: it lost its speedup over FlagGems' choice
+    lost = _entry(fp, tokens=64, config=other, median_us=t64 / 2).model_copy(
+        update={"speedup": 2 * b64 / t64}
+    )
+    # the whole machine got slower (both configs alike): the speedup holds, not flagged
+    env = _entry(fp, tokens=256, config=other, median_us=t256 / 1.3).model_copy(
+        update={"speedup": b256 / t256}
+    )
+    good_id, lost_id, env_id = store.add_entries([good, lost, env])
     report = guard(store, FakeBackend(noise=0.001), threshold=0.05, mark=True)
     rows = {r["entry_id"]: r for r in report["results"]}
-    assert rows[good]["flagged"] is False and rows[good]["status"] == "ok"
-    assert rows[drifted]["flagged"] is True and rows[drifted]["status"] == "slower"
-    assert rows[drifted]["ratio"] > 1.5
-    assert report["marked"] == 1 and store.get_entry(drifted).status == "stale"
+    assert rows[good_id]["flagged"] is False and rows[good_id]["status"] == "ok"
+    assert rows[lost_id]["flagged"] is True and rows[lost_id]["status"] == "slower"
+    assert rows[lost_id]["drift"] == pytest.approx(0.5, rel=0.02)
+    assert rows[env_id]["flagged"] is False and rows[env_id]["ratio"] == pytest.approx(
+        1.3, rel=0.02
+    )
+    assert report["marked"] == 1 and store.get_entry(lost_id).status == "stale"
     res = CliRunner().invoke(cli, ["drift", "guard", "--db", db, "--backend", "fake", "--json"])
     assert res.exit_code == 0, res.output  # the drifted entry is now stale: not a guard
-    assert json.loads(res.output)["guards"] == 1
+    assert json.loads(res.output)["guards"] == 2

@@ -91,7 +91,7 @@ def _print_check(report: dict[str, Any], dry_run: bool) -> None:
     type=click.FloatRange(min=0, min_open=True),
     default=0.05,
     show_default=True,
-    help="Flag an entry whose re-measured median moved more than this fraction.",
+    help="Flag an entry whose speedup over FlagGems' choice moved more than this fraction.",
 )
 @click.option(
     "--backend",
@@ -152,10 +152,19 @@ def drift_guard_cmd(
             f"threshold {report['threshold']:.1%}: {report['flagged']} flagged"
         )
         for r in report["results"]:
-            ratio = "-" if r["ratio"] is None else f"{r['ratio']:.3f}x"
             click.echo(
                 f"  entry {r['entry_id']} {r['family']} {r['dtype']} M={r['tokens']} "
-                f"{r['routing_class']}: {r['status']} ({ratio})"
+                f"{r['routing_class']}: {r['status']} ({_guard_figures(r)})"
             )
     if report["flagged"]:
         sys.exit(1)
+
+
+def _guard_figures(r: dict[str, Any]) -> str:
+    def x(v: float | None) -> str:
+        return "-" if v is None else f"{v:.3f}x"
+
+    return (
+        f"speedup over FlagGems {x(r.get('speedup'))} vs recorded {x(r.get('recorded_speedup'))}, "
+        f"drift {x(r.get('drift'))}, time {x(r.get('ratio'))} recorded"
+    )

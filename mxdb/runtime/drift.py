@@ -6,8 +6,12 @@ entries whose fingerprint no longer matches under the policy (the dispatcher's: 
 components that changed, and collected into a re-tune workload for ``mxdb tune``.
 
 ``guard`` re-measures a spread of verified entries of this environment on a backend (the GPU,
-or ``FakeBackend`` in tests) and flags those whose median moved beyond a threshold from the
-recorded one: the drift no version string shows.
+or ``FakeBackend`` in tests), each interleaved with FlagGems' own choice on the same inputs, and
+flags those whose speedup over that baseline moved beyond a threshold from the recorded one: the
+drift no version string shows.  The speedup, not the raw median, is compared because a raw time
+also moves with the routing instance (the tokens per expert decide the padded blocks) and with
+the machine's state, which move the baseline alike; the raw ratio is reported beside it, and is
+the criterion only for entries with no recorded speedup.
 """
 
 from __future__ import annotations
@@ -175,12 +179,13 @@ def guard(
     seed: int = 0,
     mark: bool = False,
 ) -> dict[str, Any]:
-    """Re-measure guard entries on ``backend`` and flag medians that moved beyond ``threshold``.
+    """Re-measure guard entries on ``backend``; flag speedups that moved beyond ``threshold``.
 
-    Only verified entries with a recorded median whose fingerprint matches the backend's
+    A row's ``drift`` is the measured speedup over FlagGems' choice divided by the recorded one
+    (or, without a recorded speedup, recorded over measured time): below 1 the entry got slower
+    than it was relative to the baseline.  Only verified entries with a recorded median whose fingerprint matches the backend's
     environment are guards.  ``mark`` marks the entries that got slower as stale.
     """
-    from mxdb.routing_gen import generate
 
     if not threshold > 0:
         raise UsageError(f"guard threshold must be > 0, got {threshold}")
@@ -193,35 +198,7 @@ def guard(
         if e.fingerprint_hash in ok and e.median_us and e.median_us > 0
     ]
     chosen = guard_entries(candidates, max_shapes)
-    results: list[dict[str, Any]] = []
-    for e in chosen:
-        d = e.dims
-        shape = MoEShape(d["experts"], d["hidden"], d["intermediate"], d["topk"], e.tokens, e.dtype)
-        kind, params = _GUARD_ROUTINGS.get(e.routing_class, ("uniform", {}))
-        ids = generate(kind, e.tokens, shape.experts, shape.topk, seed, **params)
-        config = KernelConfig.parse(e.config)
-        [timing] = backend.time(shape, ids, [config], reps=reps, seed=seed)
-        row: dict[str, Any] = {
-            "entry_id": e.id,
-            "family": e.family,
-            "dtype": e.dtype,
-            "tokens": e.tokens,
-            "routing_class": e.routing_class,
-            "recorded_us": e.median_us,
-        }
-        if timing.status != "ok" or not timing.samples_us:
-            row.update(status=timing.status, measured_us=None, ratio=None, flagged=True)
-        else:
-            med = statistics.median(timing.samples_us)
-            ratio = med / float(e.median_us or 1.0)
-            moved = abs(ratio - 1.0) > threshold
-            row.update(
-                status="slower" if moved and ratio > 1 else "faster" if moved else "ok",
-                measured_us=round(med, 3),
-                ratio=round(ratio, 4),
-                flagged=moved,
-            )
-        results.append(row)
+    results = [_guard_one(backend, e, threshold=threshold, reps=reps, seed=seed) for e in chosen]
     flagged = [r for r in results if r["flagged"]]
     marked = 0
     if mark:
@@ -239,6 +216,60 @@ def guard(
         "marked": marked,
         "results": results,
     }
+
+
+def _recorded_speedup(e: Entry) -> float | None:
+    if e.speedup and e.speedup > 0:
+        return float(e.speedup)
+    if e.baseline_us and e.median_us:
+        return float(e.baseline_us) / float(e.median_us)
+    return None
+
+
+def _guard_one(backend: Any, e: Entry, *, threshold: float, reps: int, seed: int) -> dict[str, Any]:
+    """Re-measure one entry with FlagGems' choice interleaved; its guard row."""
+    from mxdb.routing_gen import generate
+
+    d = e.dims
+    shape = MoEShape(d["experts"], d["hidden"], d["intermediate"], d["topk"], e.tokens, e.dtype)
+    kind, params = _GUARD_ROUTINGS.get(e.routing_class, ("uniform", {}))
+    ids = generate(kind, e.tokens, shape.experts, shape.topk, seed, **params)
+    config = KernelConfig.parse(e.config)
+    baseline = backend.baseline_config(shape)
+    timings = backend.time(shape, ids, [config, baseline], reps=reps, seed=seed)
+    recorded = _recorded_speedup(e)
+    row: dict[str, Any] = {
+        "entry_id": e.id,
+        "family": e.family,
+        "dtype": e.dtype,
+        "tokens": e.tokens,
+        "routing_class": e.routing_class,
+        "recorded_us": e.median_us,
+        "recorded_speedup": None if recorded is None else round(recorded, 4),
+    }
+    t, b = timings
+    if t.status != "ok" or not t.samples_us:
+        row.update(
+            status=t.status, measured_us=None, ratio=None, speedup=None, drift=None, flagged=True
+        )
+        return row
+    med = statistics.median(t.samples_us)
+    ratio = med / float(e.median_us or 1.0)
+    speedup = None
+    if b.status == "ok" and b.samples_us:
+        speedup = statistics.median(b.samples_us) / med
+    # the criterion: the speedup over FlagGems' choice when both are known, else the raw time
+    drift = speedup / recorded if speedup is not None and recorded else 1.0 / ratio
+    moved = abs(drift - 1.0) > threshold
+    row.update(
+        status="slower" if moved and drift < 1 else "faster" if moved else "ok",
+        measured_us=round(med, 3),
+        ratio=round(ratio, 4),
+        speedup=None if speedup is None else round(speedup, 4),
+        drift=round(drift, 4),
+        flagged=moved,
+    )
+    return row
 
 
 # -- entry points for the CLI: open the store, call one function, close --------------------
