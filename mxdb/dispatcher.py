@@ -10,7 +10,10 @@ query per call.
 The rule (DESIGN section 6): an entry may answer only when it is verified, its
 environment fingerprint matches the current one under the policy, it has the
 same op, dtype and shape family, its token count is within ``neighbour_ratio``
-of the call's, and its routing class is the same or adjacent.
+of the call's, and its routing class is the same or adjacent.  A ``baseline``
+entry (the tuner measured that key and nothing beat FlagGems' own choice) takes
+part in that choice like a verified one; when it is the closest, the answer is
+the fallback (FlagGems' choice) with reason ``baseline_measured``.
 """
 
 from __future__ import annotations
@@ -263,7 +266,7 @@ class Dispatcher:
         any_verified = False
         for row in fam.rows:
             row_id, tokens, routing_class, _, fp_hash, status, speedup = row
-            if status != "verified":
+            if status != "verified" and status != "baseline":
                 continue
             any_verified = True
             ok = ok_of.get(fp_hash)
@@ -275,7 +278,9 @@ class Dispatcher:
             if by_tokens is None:
                 by_tokens = best[routing_class] = {}
             old = by_tokens.get(tokens)
-            if old is None or (speedup or 0.0, row_id) > (old[6] or 0.0, old[0]):
+            # a verified config outranks a baseline record at the same key
+            rank = (status == "verified", speedup or 0.0, row_id)
+            if old is None or rank > (old[5] == "verified", old[6] or 0.0, old[0]):
                 by_tokens[tokens] = row
         if not best:
             stale_here = any(
@@ -329,6 +334,9 @@ class Dispatcher:
         if best is None:
             return fallback("tokens_out_of_range" if any_class_ok else "routing_class_far")
         confidence, _, _, row, reason = best
+        if row.status == "baseline":
+            # the nearest measurement found FlagGems' own choice best: answer with it
+            return fallback("baseline_measured")
         config = self._config(op, row)
         return Decision(
             config=config,

@@ -40,7 +40,12 @@ ADJACENT_CLASSES: dict[str, frozenset[str]] = {
     "sparse": frozenset({"skewed", "hot"}),
 }
 
-EntryStatus = Literal["verified", "imported", "stale", "rejected"]
+#: verified: correct and faster than FlagGems' own choice beyond the noise band (dispatched);
+#: baseline: measured at this key, and nothing beat FlagGems' own choice beyond the noise band
+#: (the dispatcher answers with FlagGems' choice there rather than a neighbour's config);
+#: imported: a peer table's config (a search seed, never dispatched); stale: its environment
+#: changed (kept for the record); rejected: withdrawn.
+EntryStatus = Literal["verified", "baseline", "imported", "stale", "rejected"]
 MeasurementStatus = Literal["ok", "oor", "compile_error", "wrong", "timeout", "slower"]
 MEASUREMENT_STATUSES: tuple[str, ...] = ("ok", "oor", "compile_error", "wrong", "timeout", "slower")
 

@@ -297,3 +297,29 @@ def test_the_dispatcher_is_generic_over_the_op(store: Store) -> None:
     import pickle
 
     assert pickle.loads(pickle.dumps(shape)) == shape
+
+
+def test_baseline_records_answer_with_flaggems_choice(store: Store) -> None:
+    """A key the tuner measured without beating FlagGems' choice answers the fallback there,
+    and keeps a farther verified neighbour from answering for it."""
+    base_cfg = KernelConfig.uniform(
+        GemmConfig(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=2)
+    )
+    store.add_entries(
+        [
+            entry(SHAPE.with_tokens(16), CFG_A),  # verified at M=16
+            entry(SHAPE.with_tokens(8), base_cfg, status="baseline", speedup=1.0),
+            # both at M=32: the verified config outranks the baseline record
+            entry(SHAPE.with_tokens(32), base_cfg, status="baseline", speedup=1.0),
+            entry(SHAPE.with_tokens(32), CFG_B, speedup=1.03),
+        ]
+    )
+    disp = Dispatcher(store, H200)
+    exact = disp.dispatch(SHAPE.with_tokens(8), "uniform")
+    assert (exact.level, exact.reason, exact.config) == ("fallback", "baseline_measured", None)
+    # M=9 is nearer the measured M=8 than the verified M=16
+    assert disp.dispatch(SHAPE.with_tokens(9), "uniform").reason == "baseline_measured"
+    assert disp.dispatch(SHAPE.with_tokens(15), "uniform").config == CFG_A
+    assert disp.dispatch(SHAPE.with_tokens(32), "uniform").config == CFG_B
+    # adjacent routing class: the baseline record is as good a witness as a verified entry
+    assert disp.dispatch(SHAPE.with_tokens(8), "skewed").reason == "baseline_measured"

@@ -161,7 +161,7 @@ def test_mxdb_export_import_round_trip(store: Store, tmp_path: Path) -> None:
     [
         ("{", "not valid JSON"),
         ('{"schema": "other"}', "is not an mxdb store export"),
-        ('{"schema": "mxdb.store-export", "schema_version": "9.0"}', "this mxdb reads '1.0'"),
+        ('{"schema": "mxdb.store-export", "schema_version": "9.0"}', "this mxdb reads 1.0, 1.1"),
         (
             '{"schema": "mxdb.store-export", "schema_version": "1.0", "entries": [{"dtype": 1}]}',
             "invalid export at entries.0",

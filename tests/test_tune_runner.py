@@ -12,8 +12,10 @@ from pathlib import Path
 
 from click.testing import CliRunner
 
+from mxdb import KernelConfig, MoEShape
 from mxdb.audit import audit_bundle
 from mxdb.cli.app import cli
+from mxdb.configs import GemmConfig
 from mxdb.store import Store
 from mxdb.tune.fake import FakeBackend
 from mxdb.tune.runner import job_name, tune
@@ -215,3 +217,65 @@ def test_compile_pool_start_up_is_not_charged_to_the_first_point(tmp_path: Path)
         ms = store.measurements()
     assert backend.counters.compile_calls >= 2
     assert any(m.fidelity == "synthetic" and m.samples_us for m in ms)
+
+
+def test_every_bundle_carries_its_keys_entries_when_routings_share_a_class(
+    tmp_path: Path,
+) -> None:
+    """At small M several routing sources fall into one routing class; the store keeps one
+    entry per key and config, and each source's bundle must still export it (audit clean)."""
+    wl = _wl(
+        tokens=[1, 2, 4, 8],
+        routings=[
+            {"kind": "uniform"},
+            {"kind": "zipf", "exponent": 1.2},
+            {"kind": "hot", "fraction": 0.5, "expert": 0},
+        ],
+        search={"max_candidates": 12, "halving_rounds": 1, "replicates": 2},
+    )
+    url = f"sqlite:///{tmp_path / 's.sqlite'}"
+    rep = tune(wl, store_url=url, out_dir=tmp_path / "ev", backend_factory=FakeBackend,
+               progress=False)  # fmt: skip
+    assert rep.points_done == rep.points_total == 12
+    assert len(rep.bundles) == 3
+    for b in rep.bundles:
+        result = audit_bundle(Path(b))
+        assert not result.findings, result.findings
+
+
+def test_points_where_flaggems_wins_are_stored_as_baseline_records(tmp_path: Path) -> None:
+    """When nothing beats FlagGems' choice beyond the noise band, the key is stored as a
+    ``baseline`` entry (FlagGems' config), so the dispatcher answers FlagGems' choice there."""
+    from mxdb.dispatcher import Dispatcher
+    from mxdb.tune.runner import baseline_record
+    from mxdb.tune.search import SearchResult
+    from mxdb.tune.verify import Verdict
+
+    shape = MoEShape(128, 2048, 768, 8, 16, "bf16")
+    base = KernelConfig.uniform(
+        GemmConfig(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=2)
+    )
+    result = SearchResult(
+        shape=shape, measurements=[], baseline=base, winner=None, winner_samples=[],
+        baseline_samples=[100.0, 101.0], control_samples=([100.0], [100.5]), correctness=None,
+        budget_exhausted=False, spent_s=1.0,
+    )  # fmt: skip
+    within = Verdict(False, "within the band", 1.003, 0.005, 99.7, 100.5)
+    entry = baseline_record(
+        result, within, routing_class="uniform", fingerprint_hash="f" * 16, device_name="X"
+    )
+    assert entry is not None and entry.status == "baseline" and entry.config_hash == base.hash
+    assert entry.median_us == entry.baseline_us == 100.5 and entry.noise_band == 0.005
+    verified = Verdict(True, "beats it", 1.2, 0.005, 80.0, 100.5)
+    assert baseline_record(result, verified, routing_class="uniform", fingerprint_hash=None,
+                           device_name=None) is None  # fmt: skip
+    no_band = Verdict(False, "no control pair", 1.01, None, 99.0, 100.5)
+    assert baseline_record(result, no_band, routing_class="uniform", fingerprint_hash=None,
+                           device_name=None) is None  # fmt: skip
+    be = FakeBackend()
+    url = f"sqlite:///{tmp_path / 'b.sqlite'}"
+    with Store.open(url) as store:
+        store.put_fingerprint(be.fingerprint())
+        store.add_entries([entry.model_copy(update={"fingerprint_hash": be.fingerprint().hash})])
+        d = Dispatcher(store, be.fingerprint()).dispatch(shape, "uniform")
+        assert (d.level, d.reason) == ("fallback", "baseline_measured")

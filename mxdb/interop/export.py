@@ -30,7 +30,9 @@ if TYPE_CHECKING:
     from mxdb.store import Store
 
 EXPORT_SCHEMA = "mxdb.store-export"
-EXPORT_VERSION = "1.0"
+EXPORT_VERSION = "1.1"
+#: Versions this mxdb reads: 1.1 added the ``baseline`` entry status.
+READABLE_VERSIONS = ("1.0", "1.1")
 FORMATS = ("mxdb", "vllm", "flaggems")
 
 
@@ -40,7 +42,7 @@ class StoreExport(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     schema_: Literal["mxdb.store-export"] = Field(default="mxdb.store-export", alias="schema")
-    schema_version: Literal["1.0"] = "1.0"
+    schema_version: Literal["1.0", "1.1"] = "1.1"
     exported_at: datetime = Field(default_factory=utcnow)
     mxdb_version: str = __version__
     fingerprints: dict[str, Fingerprint] = Field(default_factory=dict)
@@ -52,9 +54,13 @@ class StoreExport(BaseModel):
 
 @dataclass(frozen=True)
 class ExportOptions:
-    """What to export: verified entries of one dtype and routing class by default."""
+    """What to export: verified entries (and baseline records, in the mxdb format) by default.
 
-    statuses: tuple[str, ...] = ("verified",)
+    The vLLM and FlagGems table formats take verified configs only, of one dtype and routing
+    class; a baseline record means "FlagGems' own choice", which those tables already hold.
+    """
+
+    statuses: tuple[str, ...] = ("verified", "baseline")
     dtype: str = "bf16"
     routing_class: str = "uniform"
     fingerprint_hash: str | None = None
@@ -100,10 +106,10 @@ def read_export(path: str | Path) -> StoreExport:
             f"{p} is not an mxdb store export: schema is {data.get('schema')!r}, "
             f"expected {EXPORT_SCHEMA!r}"
         )
-    if isinstance(data, dict) and data.get("schema_version") != EXPORT_VERSION:
+    if isinstance(data, dict) and data.get("schema_version") not in READABLE_VERSIONS:
         raise InvalidInputError(
             f"{p} has export schema_version {data.get('schema_version')!r}; this mxdb reads "
-            f"{EXPORT_VERSION!r}"
+            f"{', '.join(READABLE_VERSIONS)}"
         )
     try:
         doc = StoreExport.model_validate(data)
@@ -203,7 +209,8 @@ def best_tables(
     """{(device, E, N): {M: config}} from the best entry per key (highest speedup, then newest)."""
     dtype = canonical_dtype(opts.dtype)
     chosen: dict[tuple[str, int, int, int], Entry] = {}
-    for e in store.entries(op="fused_moe", dtype=dtype, status=list(opts.statuses)):
+    tables_statuses = [s for s in opts.statuses if s != "baseline"]
+    for e in store.entries(op="fused_moe", dtype=dtype, status=tables_statuses):
         if e.routing_class != opts.routing_class:
             continue
         if opts.fingerprint_hash and e.fingerprint_hash != opts.fingerprint_hash:

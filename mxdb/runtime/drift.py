@@ -106,7 +106,7 @@ def check(
         breaking = mismatches(old, current, policy)
         if not breaking:
             continue
-        entries = store.entries(fingerprint_hash=h, status="verified")
+        entries = store.entries(fingerprint_hash=h, status=["verified", "baseline"])
         changes = diff(old, current)
         drifted.append(
             {
@@ -127,7 +127,11 @@ def check(
     # Stale keys with no verified entry of this environment still need re-tuning.
     ok_hashes = {h for h, fp in known.items() if not mismatches(fp, current, policy)}
     ok_hashes.add(current.hash)
-    covered = {_key(e) for e in store.entries(status="verified") if e.fingerprint_hash in ok_hashes}
+    covered = {
+        _key(e)
+        for e in store.entries(status=["verified", "baseline"])
+        if e.fingerprint_hash in ok_hashes
+    }
     affected = {e.id: e for e in newly}
     already = 0
     for e in store.entries(status="stale"):

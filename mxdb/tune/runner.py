@@ -35,7 +35,7 @@ from mxdb.tune.backend import Backend
 from mxdb.tune.search import PointInput, RoutingInput, SearchResult, search
 from mxdb.tune.space import SearchSpace, peer_seeds
 from mxdb.tune.traces import Trace, point_traces
-from mxdb.tune.verify import judge, verified_entry
+from mxdb.tune.verify import Verdict, judge, verified_entry
 from mxdb.tune.workload import Point, SearchOptions, Workload
 
 BackendFactory = Callable[[], Backend]
@@ -54,6 +54,8 @@ class TuneReport:
     points_done: int
     points_measured: int
     verified: list[dict[str, Any]] = field(default_factory=list)
+    #: keys measured where FlagGems' own choice was not beaten (stored as ``baseline`` entries)
+    baseline_keys: int = 0
     bundle: str | None = None
     #: every bundle written: one per routing source when the workload has several (two
     #: sources can fall into one routing class at small M, and a bundle's comparison group,
@@ -187,7 +189,9 @@ def tune(
                 "noise_band": e.noise_band,
             }
             for e in entries
+            if e.status == "verified"
         ],
+        baseline_keys=sum(1 for e in entries if e.status == "baseline"),
         bundle=str(path) if path else None,
         bundles=[str(p) for p in paths],
         budget_exhausted=done < total and deadline is not None and time.time() >= deadline,
@@ -331,7 +335,58 @@ def measure_point(
         device_name=backend.fingerprint().device_name,
         evidence=result.winner_run_id,
     )
+    if entry is None:
+        entry = baseline_record(
+            result,
+            verdict,
+            routing_class=replay.routing_class,
+            fingerprint_hash=fingerprint_hash,
+            device_name=backend.fingerprint().device_name,
+        )
     return result.measurements, [entry] if entry is not None else []
+
+
+def baseline_record(
+    result: SearchResult,
+    verdict: Verdict,
+    *,
+    routing_class: str,
+    fingerprint_hash: str | None,
+    device_name: str | None,
+) -> Entry | None:
+    """The ``baseline`` entry of a point where nothing beat FlagGems' choice beyond the noise.
+
+    Only when the point measured what the verdict needs (FlagGems' choice on the replayed
+    routing and a control pair): then the key is known to be FlagGems', and the dispatcher
+    answers it with FlagGems' choice instead of a neighbouring key's config.
+    """
+    if verdict.verified or verdict.baseline_median_us is None or verdict.noise_band is None:
+        return None
+    s = result.shape
+    base = result.baseline
+    run = next(
+        (m.run_id for m in result.measurements if m.role == "baseline" and m.status == "ok"),
+        None,
+    )
+    return Entry(
+        op=s.op,
+        dtype=s.dtype,
+        family=s.family,
+        dims=s.dims(),
+        tokens=s.tokens,
+        routing_class=routing_class,
+        config=base.model_dump(),
+        config_hash=base.hash,
+        fingerprint_hash=fingerprint_hash,
+        device_name=device_name,
+        status="baseline",
+        source="tune",
+        speedup=1.0,
+        noise_band=verdict.noise_band,
+        median_us=verdict.baseline_median_us,
+        baseline_us=verdict.baseline_median_us,
+        evidence=run,
+    )
 
 
 def _child(
@@ -474,7 +529,9 @@ def _job_entries(store: Store, job: str, fingerprint_hash: str) -> list[Entry]:
     tag = _job_tag(job) + "-"
     return [
         e
-        for e in store.entries(fingerprint_hash=fingerprint_hash, source="tune", status="verified")
+        for e in store.entries(
+            fingerprint_hash=fingerprint_hash, source="tune", status=["verified", "baseline"]
+        )
         if e.evidence and e.evidence.startswith(tag)
     ]
 
@@ -498,8 +555,10 @@ def write_bundles(
     out = []
     for label in labels:
         sub = [t for t in points if t[0].routing_label == label]
-        tags = {f"{_job_tag(job)}-{_point_tag(p.key)}-" for p, _, _ in sub}
-        sub_entries = [e for e in entries if e.evidence and e.evidence[:18] in tags]
+        # by key, not by evidence tag: the store keeps one entry per key and config, so a
+        # config that won two points of one class carries the first point's tag only
+        keys = {(p.shape.family, p.shape.dtype, p.shape.tokens, r.routing_class) for p, r, _ in sub}
+        sub_entries = [e for e in entries if (e.family, e.dtype, e.tokens, e.routing_class) in keys]
         if not any(_job_measurements(store, job, p.shape, p.key) for p, _, _ in sub):
             continue
         out.append(write_bundle(store, job, workload, fp, sub, sub_entries, out_dir, suffix=label))
