@@ -73,3 +73,66 @@ def test_reuse_sweeps_end_to_end_on_fake(tmp_path: Path) -> None:
     (out / "manifest.json").unlink()
     write_manifest(out, bundle_id=m["bundle_id"], milestone=m["milestone"])
     assert "tuning_cost.mismatch" in {f.check for f in audit_bundle(out).findings}
+
+
+REPLAY = Path(__file__).resolve().parents[1] / "benchmarks" / "sweep_replay.py"
+SWEEPS = Path(__file__).resolve().parents[1] / "evidence" / "h200-tuning-cost"
+
+
+def _replay() -> object:
+    import sys
+
+    sys.path.insert(0, str(BENCH.parent))
+    spec = importlib.util.spec_from_file_location("sweep_replay", REPLAY)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("sweep_replay", mod)  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return sys.modules["sweep_replay"]
+
+
+def test_sweep_replay_reproduces_the_recorded_layer_times() -> None:
+    """The additive per-GEMM model against the recorded final timings (align 16 and 32)."""
+    import numpy as np
+    import pytest
+
+    from mxdb.configs import KernelConfig
+    from mxdb.tune.backend import Backend
+
+    if not SWEEPS.is_dir():
+        pytest.skip("no recorded sweeps in this checkout")
+    sr: object = _replay()
+    bt: object = _bench()
+    recorded = {  # (point, run) -> median us, from evidence/h200-tuning-cost/runs
+        ("p1", "exgc"): 232.92,
+        ("p2", "exgc"): 334.13,
+        ("p2", "mxdb"): 312.76,
+    }
+    for (pid, tag), med in recorded.items():
+        i = int(pid[1])
+        sp = bt._source_points(SWEEPS)[i]  # type: ignore[attr-defined]
+        shape, ids, _ = bt._point_traces(*sp["point"], sp["dtype"], sp["seed"])  # type: ignore[attr-defined]
+        table = sr.SweepTable.load(SWEEPS, pid)  # type: ignore[attr-defined]
+        be = sr.SweepReplay(table, shape, ids)  # type: ignore[attr-defined]
+        assert isinstance(be, Backend)
+        run = json.loads((SWEEPS / "runs" / f"tc-{pid}-{tag}.json").read_text())
+        cfg = KernelConfig.parse(run["config"])
+        counts = np.bincount(ids.reshape(-1), minlength=shape.experts)
+        assert abs(be.model_us(cfg, counts) / med - 1) < 0.015
+
+
+def test_replayed_benchmark_meets_the_target() -> None:
+    """The benchmark's options on the replayed H200 sweeps (in-sample: the same points)."""
+    import pytest
+
+    if not SWEEPS.is_dir():
+        pytest.skip("no recorded sweeps in this checkout")
+    sr: object = _replay()
+    bt: object = _bench()
+    from mxdb.tune.workload import SearchOptions
+
+    opts = {**SearchOptions().model_dump(exclude={"budget_minutes"}), **bt.BENCH_OPTIONS}  # type: ignore[attr-defined]
+    for i in range(3):
+        r = sr.simulate(SWEEPS, i, 0, opts, bt.BUDGET_FRACTION)  # type: ignore[attr-defined]
+        assert r["quality_ratio"] <= 1.01, r
+        assert r["gpu_time_fraction"] <= 0.10, r

@@ -156,3 +156,81 @@ def test_verification_rule() -> None:
     assert e is not None and e.status == "verified" and e.speedup == ok.speedup
     # no control pair: never verified
     assert not judge(_result([100.0] * 3, [90.0] * 3, ([], []), True)).verified
+
+
+def test_line_neighbours_move_one_field_to_every_other_value() -> None:
+    point = _point()
+    space = SearchSpace(point.shape, FakeBackend().profile())
+    g = FakeBackend().baseline_config(point.shape).gemm1
+    line = space.neighbours(g, line=True)
+    assert len(line) == 16  # (5 + 4 + 3 + 4 + 2 + 4) values, less the current one of each field
+    base = g.model_dump()
+    for n in line:
+        assert sum(1 for k, v in n.model_dump().items() if v != base[k]) == 1
+    assert set(space.neighbours(g)) <= set(line)
+
+
+def test_rung0_holds_the_baselines_line_neighbourhood_whatever_is_drawn() -> None:
+    fb = FakeBackend()
+    point = _point("qwen3-30b-a3b", 16)
+    res = _run(fb, point, max_candidates=4, halving_rounds=1)
+    space = SearchSpace(point.shape, fb.profile())
+    near = [KernelConfig.uniform(g) for g in space.neighbours(res.baseline.gemm1, line=True)]
+    kept, _ = space.prune(near)
+    rung0 = {m.config_hash for m in res.measurements if m.fidelity == "synthetic"}
+    assert kept and {c.hash for c in kept} <= rung0
+
+
+class _SeedLog(FakeBackend):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seeds: list[int] = []
+
+    def time(self, shape, topk_ids, configs, *, reps, seed, method="graph"):  # type: ignore[no-untyped-def]
+        self.seeds.append(seed)
+        return super().time(shape, topk_ids, configs, reps=reps, seed=seed, method=method)
+
+
+def test_every_timing_uses_the_points_seed() -> None:
+    """One set of inputs per point: a GPU backend builds its weights once, not per rung."""
+    fb = _SeedLog()
+    point = _point(seed=5)
+    _run(fb, point, max_candidates=30, refine_steps=2)
+    assert fb.seeds and set(fb.seeds) == {5}
+
+
+def test_refinement_moves_block_m_of_both_gemms_together() -> None:
+    fb = FakeBackend(seed=1)
+    point = _point("qwen3-30b-a3b", 256)
+    res = _run(fb, point, max_candidates=30, refine_steps=1)
+    replay = [
+        KernelConfig.parse(m.config)
+        for m in res.measurements
+        if m.fidelity == "replay" and m.status == "ok"
+    ]
+    joint_bm = [
+        c
+        for c in replay
+        if c.gemm1 != c.gemm2 and c.gemm1.block_m == c.gemm2.block_m == c.align_block
+    ]
+    assert {c.align_block for c in joint_bm} >= {16, 32}
+
+
+def test_peer_seeds_always_reach_the_replayed_comparison() -> None:
+    """A peer table's config that ran is timed on the replayed trace even when it ranked low,
+    so a verified answer is never one the peer's table beats on the point's own routing."""
+    from dataclasses import replace
+
+    fb = FakeBackend(seed=3)
+    # a deliberately poor seed: it ranks far from the top in the synthetic rungs
+    seed_cfg = KernelConfig.uniform(
+        GemmConfig(block_m=16, block_n=32, block_k=64, num_warps=8, num_stages=5)
+    )
+    point = replace(_point("mixtral-8x7b", 64), peer_seeds=(seed_cfg,))
+    res = _run(fb, point, max_candidates=24, halving_rounds=2, finalists=2, replicates=2)
+    synthetic = {m.config_hash for m in res.measurements if m.fidelity == "synthetic"}
+    # a finalist's replayed samples are recorded with its layer check (fidelity "layer")
+    finals = {m.config_hash: m for m in res.measurements if m.fidelity == "layer"}
+    assert seed_cfg.hash in synthetic and seed_cfg.hash in finals
+    seed_final = finals[seed_cfg.hash]
+    assert seed_final.samples_us and seed_final.trace_hash == point.replay.trace_hash

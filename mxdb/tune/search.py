@@ -7,11 +7,17 @@ Ladder, cheapest first:
 3. **synthetic**: successive halving of the uniform configs (one config for both GEMMs) on
    generated routing of the point's kind (a different seed than the replayed trace), ``eta``
    = 3 by default: each rung keeps the best third and times it with ``eta`` times the samples.
-   Then a joint refinement: hill-climbing on GEMM1 with GEMM2 fixed, then GEMM2 with GEMM1
-   fixed, one grid step per field, with the alignment block the smallest both accept (and its
-   double as a move), every move timed interleaved with the incumbent.
-4. **replay**: the finalists, FlagGems' baseline and a same-config control pair (baseline vs
-   baseline) are timed interleaved on the workload's stored trace, ``replicates`` times.
+   Rung 0 always holds the seeds' line neighbourhood (every uniform config one field away from
+   FlagGems' choice or a peer seed), whatever ``max_candidates`` draws.
+   Then a joint refinement: per-GEMM screens, then coordinate descent on GEMM1 with GEMM2
+   fixed, then GEMM2 with GEMM1 fixed, moving one field to any other grid value (and
+   BLOCK_SIZE_M of both GEMMs at once, since the alignment block couples them), with the
+   alignment block the smallest both accept (and its double as a move), every move timed
+   interleaved with the incumbent.  Every timing of a point uses the point's seed, so a GPU
+   backend builds the point's inputs once.
+4. **replay**: the finalists (and the peer tables' configs, always), FlagGems' baseline and a
+   same-config control pair (baseline vs baseline) are timed interleaved on the workload's
+   stored trace, ``replicates`` times.
 5. **layer**: the finalists run the whole layer against the float32 reference; the fastest
    correct one wins.
 
@@ -34,7 +40,7 @@ from mxdb.evidence import stats
 from mxdb.models import Measurement
 from mxdb.shapes import MoEShape
 from mxdb.tune.backend import Backend, Correctness, Timing
-from mxdb.tune.space import SearchSpace, align_for
+from mxdb.tune.space import GRID_VALUES, SearchSpace, align_for
 from mxdb.tune.workload import SearchOptions
 
 #: Configs per backend.time() call in the synthetic rungs (the budget is checked in between).
@@ -185,12 +191,19 @@ def search(
     # FlagGems' choice enters rung 0 too: it is often near the optimum, and when it ranks
     # first the joint refinement hill-climbs from it (it never wins itself: the finalists
     # exclude it, being the baseline they are compared with)
+    # so does the seeds' neighbourhood: every uniform config one field away from FlagGems'
+    # choice or a peer seed (a line search along each field), kept whatever max_candidates
+    # draws: at decode sizes the optimum is usually a few fields away from the seeds
+    near = _dedup(
+        [KernelConfig.uniform(g) for c in (baseline, *seeds) for g in _line(space, c.gemm1)]
+    )
     pool = _dedup([*space.uniform(), *seeds, baseline])
     if options.max_candidates is not None and len(pool) > options.max_candidates:
         rng = np.random.default_rng(point.seed)
         keep = set(rng.choice(len(pool), size=options.max_candidates, replace=False).tolist())
-        seed_hashes = {c.hash for c in seeds} | {baseline.hash}
+        seed_hashes = {c.hash for c in (*seeds, *near)} | {baseline.hash}
         pool = [c for i, c in enumerate(pool) if i in keep or c.hash in seed_hashes]
+    pool = _dedup([*pool, *near])
     kept, dropped = space.prune(pool)
     for p in dropped:
         rec.add(p.config, fidelity="proxy", status="oor", error=p.reason)
@@ -245,6 +258,11 @@ def search(
     # 4. finalists on the replayed routing, with the baseline and a control pair
     finalists = _dedup([*refined, *ranking_cfgs])
     finalists = [c for c in finalists if c.hash != baseline.hash][: options.finalists]
+    # the peer tables' configs that ran always reach the replayed comparison too, so that a
+    # verified answer is never one a peer's table beats on the point's own routing
+    timed = {m.config_hash for m in rec.items if m.fidelity == "synthetic" and m.status == "ok"}
+    chosen = {c.hash for c in finalists}
+    finalists += [c for c in seeds if c.hash in timed and c.hash not in chosen]
     result = SearchResult(
         shape=shape,
         measurements=rec.items,
@@ -263,6 +281,10 @@ def search(
     result.budget_exhausted = budget.exhausted
     result.spent_s = budget.spent()
     return result
+
+
+def _line(space: SearchSpace, g: GemmConfig) -> list[GemmConfig]:
+    return space.neighbours(g, line=True)
 
 
 def _dedup(configs: Sequence[KernelConfig]) -> list[KernelConfig]:
@@ -371,7 +393,7 @@ def _halving(
             routing,
             field_,
             reps,
-            seed + rung,
+            seed,
             rec,
             budget,
             local,
@@ -427,7 +449,7 @@ def _per_gemm(
             budget,
             local,
             method,
-            seed=point.seed + (17 if which == "gemm2" else 29),
+            seed=point.seed,
         )
         if not ranked:
             continue
@@ -435,6 +457,13 @@ def _per_gemm(
         g1, g2 = best.gemm1, best.gemm2
         found.append(best)
     return found[::-1]
+
+
+def _with_bm(g: GemmConfig, bm: int) -> GemmConfig | None:
+    try:
+        return GemmConfig(**{**g.model_dump(), "block_m": bm})
+    except ValueError:
+        return None
 
 
 def _pair(g1: GemmConfig, g2: GemmConfig) -> KernelConfig:
@@ -463,15 +492,25 @@ def _refine(
     # the GEMM configs of the next few uniform survivors are moves too: a good tile for the
     # whole layer is often a good tile for one GEMM
     extra: list[GemmConfig] = [c.gemm1 for c in ranking[1 : 1 + options.eta]]
-    step_seed = point.seed + 101
     for _ in range(options.refine_steps):
         moved = False
         for which in ("gemm1", "gemm2"):
             if not budget.left(RESERVE):
                 return _dedup(history[::-1])
             cur = g1 if which == "gemm1" else g2
-            moves = [*space.neighbours(cur), *extra]
+            moves = [*_line(space, cur), *extra]
             cands = []
+            if which == "gemm1":
+                # the alignment block couples the GEMMs: a larger BLOCK_SIZE_M pads the other
+                # GEMM's experts too, so block_m also moves for both GEMMs at once
+                for bm in GRID_VALUES["block_m"]:
+                    if bm != g1.block_m or bm != g2.block_m:
+                        j1, j2 = _with_bm(g1, bm), _with_bm(g2, bm)
+                        if j1 is not None and j2 is not None:
+                            c = KernelConfig(gemm1=j1, gemm2=j2, align_block=bm)
+                            if c.hash not in tried and c.hash != incumbent.hash:
+                                tried.add(c.hash)
+                                cands.append(c)
             for g in moves:
                 a1, a2 = (g, g2) if which == "gemm1" else (g1, g)
                 base_align = align_for(a1, a2)
@@ -488,7 +527,6 @@ def _refine(
             compiled = _compile(backend, shape, kept, rec)
             if not compiled:
                 continue
-            step_seed += 1
             local: dict[str, list[float]] = {}
             ok = _time_batches(
                 backend,
@@ -496,7 +534,7 @@ def _refine(
                 syn,
                 [incumbent, *compiled],
                 options.refine_reps,
-                step_seed,
+                point.seed,
                 rec,
                 budget,
                 local,

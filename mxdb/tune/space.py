@@ -121,13 +121,19 @@ class SearchSpace:
                 dropped.append(Pruned(c, reason))
         return kept, dropped
 
-    def neighbours(self, g: GemmConfig) -> list[GemmConfig]:
-        """Configs one grid step away from ``g`` in one field (the hill-climbing moves)."""
+    def neighbours(self, g: GemmConfig, *, line: bool = False) -> list[GemmConfig]:
+        """Configs that differ from ``g`` in one field (the hill-climbing moves).
+
+        One grid step up or down by default; with ``line``, every other grid value of the
+        field (a line search along each coordinate: 16 moves on vLLM's grid).
+        """
         out: list[GemmConfig] = []
         base = g.model_dump()
         for name, values in GRID_VALUES.items():
             cur = base[name]
-            if cur in values:
+            if line:
+                steps = [v for v in values if v != cur]
+            elif cur in values:
                 i = values.index(cur)
                 steps = [values[j] for j in (i - 1, i + 1) if 0 <= j < len(values)]
             else:  # an off-grid seed: move to the nearest grid values
