@@ -1,7 +1,8 @@
 """Side by side on one GPU: FlagGems' config, vLLM's H200 table and mxdb's dispatch.
 
 Usage (GPU host):  python benchmarks/peers.py run OUT.json --store-export EXPORT.json
-                   [--vllm-dir DIR] [--deadline-s S]
+                   [--workload examples/workloads/h200-peers.yaml] [--vllm-dir DIR]
+                   [--deadline-s S]
 Usage (anywhere):  python benchmarks/peers.py publish OUT.json evidence/h200-peers
 
 ``run``: for Mixtral-8x7B and Qwen3-30B-A3B (bf16), M in 1..4096 and uniform / Zipf / hot-expert
@@ -17,6 +18,12 @@ back-to-back plain calls between events: FlagGems' ``fused_experts_impl`` for (a
 lean ``MoELayer`` for (c).  The memory-bound floor uses the device-to-device copy bandwidth
 measured in the same run.  Also the dispatch cost: ``mxdb`` dispatch hit against FlagGems'
 ``try_get_optimal_moe_config``.  The JSON is rewritten after every point.
+
+Routing: with ``--workload`` (the tuning workload of the store, e.g.
+``examples/workloads/h200-peers.yaml``) each point replays the trace that workload replayed when
+it was tuned, so the class it dispatches with is the class the point was tuned under; without
+it, the point's routing is generated here (seed = M).  The dispatcher answers as the export's
+fingerprint that equals this host's (else the export's first one), under the strict policy.
 
 ``publish``: writes the evidence bundle from OUT.json: runs with raw samples, summary, report, and
 ``peers.json`` (``mxdb.peers``: every figure above and each target with its threshold, measured
@@ -91,6 +98,45 @@ def dispatch_cost(dispatcher: Any, shape: Any) -> dict[str, float]:
     return {"mxdb_dispatch_hit_us": mx, "flaggems_lookup_us": fg}
 
 
+def workload_traces(path: str) -> dict[tuple[str, int, str], tuple[Any, int]]:
+    """(family preset, M, routing kind) -> (replayed ids, seed) of a tuning workload's points.
+
+    Each of this benchmark's routings must be in the workload with the same parameters, and
+    each family among its models (bf16).
+    """
+    from mxdb.shapes import preset_shape
+    from mxdb.tune.traces import point_traces
+    from mxdb.tune.workload import HotRouting, ZipfRouting, load_workload
+
+    wl = load_workload(path)
+
+    def params(r: Any) -> dict[str, Any]:
+        if isinstance(r, ZipfRouting):
+            return {"s": r.exponent}
+        if isinstance(r, HotRouting):
+            return {"fraction": r.fraction, "hot_expert": r.expert}
+        return {}
+
+    kinds = {}
+    for i, r in enumerate(wl.routings):
+        for kind, want in ROUTINGS.items():
+            if r.kind == kind and params(r) == want:
+                kinds[kind] = i
+    missing = sorted(set(ROUTINGS) - set(kinds))
+    if missing:
+        raise SystemExit(f"{path}: no routing matching {missing} with parameters {ROUTINGS}")
+    out: dict[tuple[str, int, str], tuple[Any, int]] = {}
+    for preset in FAMILIES:
+        fam = preset_shape(preset, 1, "bf16")
+        if not any(m.shape(1, "bf16").family == fam.family for m in wl.models):
+            raise SystemExit(f"{path}: model {preset} ({fam.family}) is not in the workload")
+        for m in TOKENS:
+            for kind, ri in kinds.items():
+                replay, _ = point_traces(wl, fam.with_tokens(m), ri)
+                out[(preset, m, kind)] = (replay.ids, int(replay.generator["seed"]))
+    return out
+
+
 def run(a: argparse.Namespace) -> None:
     import flag_gems.fused.fused_moe as fm
     import numpy as np
@@ -118,6 +164,8 @@ def run(a: argparse.Namespace) -> None:
     }
     doc["bandwidth_bytes_per_s"] = bandwidth(torch)
     dispatcher = None
+    traces = workload_traces(a.workload) if a.workload else None
+    doc["trace_source"] = f"workload {a.workload}" if a.workload else "generated, seed = M"
     if a.store_export and Path(a.store_export).exists():
         exp = read_export(a.store_export)
         tmp = tempfile.mkdtemp()
@@ -125,8 +173,13 @@ def run(a: argparse.Namespace) -> None:
         doc["import"] = import_export(store, a.store_export)
         fps = list(exp.fingerprints.values())
         doc["store_fingerprints"] = [fp.components() for fp in fps]
-        fp = fps[0] if fps else None
+        live = backend.fingerprint().hash
+        fp = next((f for f in fps if f.hash == live), fps[0] if fps else None)
+        doc["dispatch_fingerprint"] = fp.hash if fp is not None else None
+        doc["dispatch_fingerprint_is_live"] = fp is not None and fp.hash == live
         dispatcher = Dispatcher(store, fp, DispatchOptions(policy="strict"))
+    elif a.store_export:
+        doc["errors"].append(f"store export {a.store_export} not found: (c) is FlagGems' choice")
     out = Path(a.out)
     atomic_json(out, doc)
     for preset, tag in FAMILIES.items():
@@ -142,20 +195,35 @@ def run(a: argparse.Namespace) -> None:
         for m in TOKENS:
             shape = fam.with_tokens(m)
             for kind, params in ROUTINGS.items():
-                ids = generate(kind, m, fam.experts, fam.topk, seed=m, **params)
+                if traces is not None:
+                    ids, seed = traces[(preset, m, kind)]
+                else:
+                    ids, seed = generate(kind, m, fam.experts, fam.topk, seed=m, **params), m
                 rclass = classify(features(ids, fam.experts))
                 cfgs: dict[str, Any] = {
                     "a": flaggems_kernel_config(shape),
                     "b": vllm_config(table, m),
                 }
                 reasons = {}
+                answered: dict[str, Any] = {}
                 if dispatcher is not None:
                     dc = dispatcher.dispatch(shape, rclass)
                     du = dispatcher.dispatch(shape, "uniform")
                     reasons = {"c": dc.reason, "d": du.reason}
+                    answered = {
+                        n: {"entry_tokens": dd.tokens, "entry_routing_class": dd.routing_class}
+                        for n, dd in (("c", dc), ("d", du))
+                    }
                     cfgs["c"] = dc.config if dc.config is not None else cfgs["a"]
                     cfgs["d"] = du.config if du.config is not None else cfgs["a"]
-                plan.append((m, kind, ids, {"cfgs": cfgs, "rclass": rclass, "reasons": reasons}))
+                info = {
+                    "cfgs": cfgs,
+                    "rclass": rclass,
+                    "reasons": reasons,
+                    "answered": answered,
+                    "seed": seed,
+                }
+                plan.append((m, kind, ids, info))
                 for c in {c.hash: c for c in cfgs.values()}.values():
                     specs.extend(specs_for(shape, c))
         t0 = time.monotonic()
@@ -211,11 +279,12 @@ def run(a: argparse.Namespace) -> None:
                         "tokens": m,
                         "routing": kind,
                         "routing_params": ROUTINGS[kind],
-                        "seed": m,
+                        "seed": info["seed"],
                         "routing_class": info["rclass"],
                         "ids": ids_np.tolist(),
                         "configs": {n: cfgs[n].model_dump() for n in cfgs},
                         "reasons": info["reasons"],
+                        "answered": info["answered"],
                         "correctness": corr,
                         "graph_us": graph,
                         "eager_us": eager,
@@ -250,7 +319,7 @@ def publish(raw_path: Path, bundle: Path) -> None:
     import shutil
 
     from mxdb.evidence.files import atomic_write, dumps
-    from mxdb.evidence.peers import PEERS_FILE, PeersDoc, build_peers
+    from mxdb.evidence.peers import PEERS_FILE, PeersDoc, build_peers, trace_figures
     from mxdb.evidence.writer import BundleWriter, load_runs, write_manifest
     from mxdb.models import Fingerprint
     from mxdb.shapes import preset_shape
@@ -263,6 +332,7 @@ def publish(raw_path: Path, bundle: Path) -> None:
     w = BundleWriter(tmp, milestone="h200-peers", fingerprint=fp, bundle_id=bundle.name)
     points: list[dict[str, Any]] = []
     active: dict[str, int] = {}
+    hot: dict[str, float] = {}
     for p in raw["points"]:
         shape = preset_shape(p["family"], p["tokens"], "bf16")
         th = w.add_trace(
@@ -270,7 +340,7 @@ def publish(raw_path: Path, bundle: Path) -> None:
             experts=shape.experts,
             generator={"kind": p["routing"], "seed": p["seed"], "params": p["routing_params"]},
         )
-        active[th] = len({x for r in p["ids"] for x in r})
+        active[th], hot[th] = trace_figures(p["ids"])
         base = f"{SHORT[p['family']]}-m{p['tokens']}-{p['routing']}"
         for n, samples in p["graph_us"].items():
             key = "c" if n.startswith("ctl") else n
@@ -299,6 +369,8 @@ def publish(raw_path: Path, bundle: Path) -> None:
                 "routing_class": p["routing_class"],
                 "trace_hash": th,
                 "runs": {n: f"{base}-{n}" for n in p["graph_us"]},
+                "dispatch_reason_c": (p.get("reasons") or {}).get("c"),
+                "dispatch_reason_d": (p.get("reasons") or {}).get("d"),
             }
         )
     w.finish(bandwidth_bytes_per_s=raw["bandwidth_bytes_per_s"])
@@ -312,6 +384,7 @@ def publish(raw_path: Path, bundle: Path) -> None:
         bandwidth_bytes_per_s=raw["bandwidth_bytes_per_s"],
         dispatch_cost=raw.get("dispatch_cost") or {},
         errors=raw.get("errors", []),
+        hot_shares=hot,
     )
     doc = PeersDoc.model_validate(doc).to_json_dict()
     atomic_write(tmp / PEERS_FILE, dumps(doc))
@@ -325,7 +398,7 @@ def publish(raw_path: Path, bundle: Path) -> None:
 
 def render(doc: dict[str, Any]) -> str:
     """``report/peers.md``: the figures of ``peers.json`` (a view; the audit checks the JSON)."""
-    from mxdb.evidence.peers import targets_markdown
+    from mxdb.evidence.peers import explanations_markdown, targets_markdown
 
     f = {**doc["figures"], "points": doc["points"]}
 
@@ -345,22 +418,24 @@ def render(doc: dict[str, Any]) -> str:
         f"- points where routing changes mxdb's dispatch: {f['points_routing_changes_dispatch']}; "
         f"geomean (d)/(c) there: {x(f['geomean_c_over_d_where_changed'])}",
         "",
-        "| family | M | routing | a us | b us | c us | c/a | c/b | floor frac c | noise | "
-        "eager fg/layer | eager/graph |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| family | M | routing | a us | b us | c us | c/a | c/b | floor frac c | "
+        "floor frac best | hot share | noise | dispatch (c) | eager fg/layer | eager/graph |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in f["points"]:
         m = r["median_us"]
+        hs = r.get("hot_share")
         lines.append(
             f"| {r['family']} | {r['tokens']} | {r['routing']} | {x(m.get('a'))} | "
             f"{x(m.get('b'))} | {x(m.get('c'))} | {x(r.get('speedup_c_over_a'))} | "
             f"{x(r.get('speedup_c_over_b'))} | {x(r.get('floor_fraction_c'))} | "
-            f"{x(r.get('noise_band'))} | "
+            f"{x(r.get('floor_fraction_best'))} | {'-' if hs is None else f'{hs:.2f}'} | "
+            f"{x(r.get('noise_band'))} | {r.get('dispatch_reason_c') or '-'} | "
             f"{x(r.get('eager_speedup_layer_over_fused_experts_impl'))} | "
             f"{x(r.get('eager_over_graph_layer'))} |"
         )
-    lines += ["", *targets_markdown(doc["targets"])]
-    return "\n".join(lines) + "\n"
+    lines += ["", *targets_markdown(doc["targets"]), "", *explanations_markdown(doc)]
+    return "\n".join(lines).rstrip("\n") + "\n"
 
 
 def plots(doc: dict[str, Any], out: Path) -> None:
@@ -396,6 +471,12 @@ def main() -> None:
     r.add_argument("out")
     r.add_argument("--store-export", default="evidence/store-export.json")
     r.add_argument("--vllm-dir", default=".dev/carry/vllm")
+    r.add_argument(
+        "--workload",
+        default=None,
+        help="replay the traces this tuning workload replayed (e.g. "
+        "examples/workloads/h200-peers.yaml), so (c) dispatches with the tuned routing class",
+    )
     r.add_argument("--deadline-s", type=float, default=300.0)
     p = sub.add_parser("publish")
     p.add_argument("raw", type=Path)

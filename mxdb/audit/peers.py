@@ -5,7 +5,10 @@ and trace, and the control pair must time config (c).  The figures are then reco
 :func:`mxdb.evidence.peers.build_peers` (the writer's own function, on the runs' raw samples)
 and compared leaf by leaf within the audit's tolerance; each target's threshold must be
 mxdb's, its measured value the recomputed figure and its verdict that of the value against
-the threshold (a "pass" for a missed target is a finding).  Also the shared helpers the
+the threshold (a "pass" for a missed target is a finding).  A document with ``explanations``
+has them and its points' extended figures recomputed the same way (hot shares from the
+bundle's traces), and a point whose recorded dispatch reason is a fallback must have run
+FlagGems' config as (c).  Also the shared helpers the
 lean-layer audit uses: :func:`compare_claims` and :func:`check_targets`.
 """
 
@@ -16,12 +19,14 @@ from typing import Any, Protocol
 
 from mxdb.evidence.peers import (
     DECODE_MAX_TOKENS,
+    ENTRY_REASONS,
     LABELS,
     ROLES,
     TARGETS,
     TargetSpec,
     build_peers,
     judge,
+    trace_figures,
 )
 from mxdb.shapes import preset_shape
 
@@ -183,6 +188,17 @@ _POINT_CODES: dict[str, str] = {
     "c_differs_from_d": "flag_mismatch",
     "c_slower_than_a": "flag_mismatch",
     "c_slower_than_b": "flag_mismatch",
+    "floor_fraction_best": "ratio_mismatch",
+    "speedup_best_over_a": "ratio_mismatch",
+    "speedup_best_over_b": "ratio_mismatch",
+    "floor_bound_over_a": "ratio_mismatch",
+    "uniform_floor_fraction_best": "ratio_mismatch",
+    "skew_cost": "ratio_mismatch",
+    "c_config_is_a": "flag_mismatch",
+    "c_config_is_b": "flag_mismatch",
+    "c_faster_than_a": "flag_mismatch",
+    "c_faster_than_b": "flag_mismatch",
+    "d_faster_than_c": "flag_mismatch",
 }
 
 
@@ -192,6 +208,14 @@ def _peers_code(path: Path_) -> str:
     if path[:1] == ("figures",) and len(path) >= 2:
         key = str(path[1])
         return "peers." + ("geomean_mismatch" if "geomean" in key else "count_mismatch")
+    if path[:1] == ("explanations",) and len(path) >= 2:
+        keys = [str(k) for k in path[1:] if not isinstance(k, int)]
+        if any("geomean" in k for k in keys):
+            return "peers.geomean_mismatch"
+        if any(k.startswith("points_") or k.endswith("_by_dispatch_reason") for k in keys):
+            return "peers.count_mismatch"
+        if keys and keys[-1] in _POINT_CODES:
+            return "peers." + _POINT_CODES[keys[-1]]
     return "peers.field_mismatch"
 
 
@@ -251,6 +275,19 @@ def _point_problems(
                 f"run {rid} does not measure this point as label ({lab})",
             )
             bad = True
+    reason = p.get("dispatch_reason_c")
+    if reason is not None and reason not in ENTRY_REASONS:
+        c_run, a_run = runs.get(ids["c"]) or {}, runs.get(ids["a"]) or {}
+        if c_run.get("config_hash") != a_run.get("config_hash"):
+            sink.add(
+                "peers.run_mismatch",
+                rel,
+                f"{where}.runs.c",
+                "config (a)'s hash: the dispatcher fell back to FlagGems' choice",
+                f"config_hash {c_run.get('config_hash')} in run {ids['c']}",
+                f"the point records the fallback reason {reason!r}, but (c) ran another config",
+            )
+            bad = True
     if p["trace_hash"] not in traces:
         sink.add(
             "peers.run_missing",
@@ -287,7 +324,10 @@ def check_peers(
         bad |= _point_problems(sink, rel, i, p, runs, traces)
     if bad:
         return  # figures of points without their runs cannot be recomputed
-    active = {h: len({x for row in t["ids"] for x in row}) for h, t in traces.items()}
+    figs = {h: trace_figures(t["ids"]) for h, t in traces.items()}
+    active = {h: f[0] for h, f in figs.items()}
+    # the layout with explanations is recognised by that field; older documents lack it
+    hot = {h: f[1] for h, f in figs.items()} if "explanations" in doc else None
     recomputed = build_peers(
         doc["points"],
         runs,
@@ -298,6 +338,7 @@ def check_peers(
         decode_max_tokens=doc["decode_max_tokens"],
         dispatch_cost=doc["dispatch_cost"],
         errors=doc["errors"],
+        hot_shares=hot,
     )
     if doc["decode_max_tokens"] != DECODE_MAX_TOKENS:
         sink.add(

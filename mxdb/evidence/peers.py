@@ -25,23 +25,53 @@ samples):
 - geometric means over points with the figure (``decode_*``: over points with M at most
   ``decode_max_tokens``), counts of points with a flag set;
 - each target: its figure (``measured``), a fixed threshold and comparison, and ``passed``.
+
+Documents with ``explanations`` (written since the layout that explains missed targets; the
+auditor recognises the layout by that field) also carry, per point:
+
+- ``hot_share``: the largest share of the token slots (M x k) that one expert receives, from
+  the point's trace; ``floor_fraction_best`` = floor / the smallest median of a, b, c, d;
+  ``speedup_best_over_x`` = median(x) / that smallest median; ``floor_bound_over_a`` =
+  median(a) / floor (the speedup over (a) of a layer at the floor: no config can give more);
+- ``c_config_is_a`` / ``c_config_is_b``: (c) ran the same config (hash) as (a) / (b);
+  ``c_faster_than_x``: median(x) > median(c) x (1 + noise band); ``d_faster_than_c`` likewise;
+- ``uniform_floor_fraction_best``: ``floor_fraction_best`` of the uniform-routing point of the
+  same family and M, and ``skew_cost`` = that over this point's (what the skew costs the
+  fastest config, the floor accounting for the active experts); None for uniform routing;
+- ``dispatch_reason_c`` / ``dispatch_reason_d``: what the dispatcher answered (an input the
+  run recorded, like the routing; a fallback reason requires (c) to run (a)'s config);
+
+and ``explanations``: for each target the figures that bound or explain it (geometric means
+and counts over the points above, the points behind each count), all recomputed by the
+auditor from the same rows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from mxdb.evidence import stats
-from mxdb.evidence.models import _Doc
+from mxdb.evidence.models import _FROZEN, _Doc
 from mxdb.shapes import DTYPE_BYTES
 
 PEERS_FILE = "peers.json"
 SCHEMA = "mxdb.peers"
 SCHEMA_VERSION = "1.0"
 DECODE_MAX_TOKENS = 16
+#: A skewed point is "far from the floor" when the fastest config's floor fraction under uniform
+#: routing (same family and M) is more than this many times its floor fraction there.
+SKEW_COST = 1.10
+#: Dispatch reasons under which the dispatcher answered with a stored entry; any other reason
+#: is a fallback, and (c) is then FlagGems' own config.
+ENTRY_REASONS: tuple[str, ...] = (
+    "exact_match",
+    "adjacent_routing",
+    "neighbour_tokens",
+    "neighbour_tokens_adjacent_routing",
+)
 #: The labels of a point's runs; ``d`` is absent where mxdb's choice ignores the routing.
 LABELS: tuple[str, ...] = ("a", "b", "c", "d", "ctl1", "ctl2")
 #: The role each label's run must carry.
@@ -192,6 +222,16 @@ class Target(_Doc):
     passed: bool
 
 
+def _optional(*names: str) -> ConfigDict:
+    """The evidence config, with ``names`` optional in the JSON Schema (absent in old layouts)."""
+
+    def extra(schema: dict[str, Any]) -> None:
+        req = [r for r in schema.get("required", []) if r not in names]
+        schema["required"] = req
+
+    return ConfigDict(**{**_FROZEN, "json_schema_extra": extra})
+
+
 class PeerRuns(_Doc):
     """The run ids of one point (raw samples in ``runs/<id>.json``)."""
 
@@ -203,8 +243,29 @@ class PeerRuns(_Doc):
     ctl2: str
 
 
+#: Per-point fields of the layout with ``explanations`` (absent from older documents).
+EXTENDED_POINT_FIELDS: tuple[str, ...] = (
+    "dispatch_reason_c",
+    "dispatch_reason_d",
+    "hot_share",
+    "floor_fraction_best",
+    "speedup_best_over_a",
+    "speedup_best_over_b",
+    "floor_bound_over_a",
+    "c_config_is_a",
+    "c_config_is_b",
+    "c_faster_than_a",
+    "c_faster_than_b",
+    "d_faster_than_c",
+    "uniform_floor_fraction_best",
+    "skew_cost",
+)
+
+
 class PeerPoint(_Doc):
     """One point: its runs and the figures derived from their samples."""
+
+    model_config = _optional(*EXTENDED_POINT_FIELDS)
 
     family: str
     tokens: int = Field(ge=1)
@@ -229,6 +290,92 @@ class PeerPoint(_Doc):
     eager_median_us: dict[str, float]
     eager_speedup_layer_over_fused_experts_impl: float | None
     eager_over_graph_layer: float | None
+    dispatch_reason_c: str | None = Field(
+        default=None, description="the dispatcher's reason for (c), as the run recorded it"
+    )
+    dispatch_reason_d: str | None = Field(
+        default=None, description="the dispatcher's reason for (d), as the run recorded it"
+    )
+    hot_share: float | None = Field(
+        default=None, description="largest share of the M x k token slots one expert receives"
+    )
+    floor_fraction_best: float | None = Field(
+        default=None, description="floor / the smallest median of a, b, c, d"
+    )
+    speedup_best_over_a: float | None = None
+    speedup_best_over_b: float | None = None
+    floor_bound_over_a: float | None = Field(
+        default=None, description="median(a) / floor: the most any config could gain over (a)"
+    )
+    c_config_is_a: bool | None = None
+    c_config_is_b: bool | None = None
+    c_faster_than_a: bool | None = None
+    c_faster_than_b: bool | None = None
+    d_faster_than_c: bool | None = None
+    uniform_floor_fraction_best: float | None = Field(
+        default=None,
+        description="floor_fraction_best of the uniform-routing point of the same family and M "
+        "(None for uniform routing)",
+    )
+    skew_cost: float | None = Field(
+        default=None,
+        description="uniform_floor_fraction_best / floor_fraction_best (None for uniform routing)",
+    )
+
+
+class PointRef(_Doc):
+    """A point named in an explanation, with the figures that explain it."""
+
+    family: str
+    tokens: int
+    routing: str
+    figures: dict[str, float | str | bool | None]
+
+
+class GapExplanation(_Doc):
+    """What bounds a geometric-mean speedup of (c) over one peer (a or b)."""
+
+    geomean_speedup_best_over_peer: float | None = Field(
+        description="geomean of median(peer) / smallest median of a, b, c, d: the figure "
+        "had mxdb dispatched the fastest config measured at every point"
+    )
+    decode_geomean_speedup_c_over_peer: float | None
+    rest_geomean_speedup_c_over_peer: float | None = Field(description="over points with M > 16")
+    points_c_is_peer: int = Field(description="points where (c) ran the peer's own config")
+    points_c_faster: int = Field(description="points where (c) is faster beyond the noise")
+    points_c_within_noise: int = Field(description="neither faster nor slower beyond the noise")
+    points_c_slower: int
+    points_slower_with_peer_config: int = Field(
+        description="points where (c) ran the peer's own config and still timed slower beyond "
+        "the control pair's noise band (the band understates the noise there)"
+    )
+    slower_by_dispatch_reason: dict[str, int] = Field(
+        description="points where (c) is slower beyond the noise, by the dispatcher's reason"
+    )
+
+
+class Explanations(_Doc):
+    """Figures that explain each missed target, recomputed like every other figure."""
+
+    c_over_a: GapExplanation
+    c_over_b: GapExplanation
+    decode_geomean_floor_bound_over_a: float | None = Field(
+        description="geomean over decode points of median(a) / floor: the speedup over (a) "
+        "of a layer running at the memory-bound floor"
+    )
+    decode_geomean_floor_fraction_a: float | None
+    decode_geomean_floor_fraction_b: float | None
+    decode_geomean_floor_fraction_best: float | None = Field(
+        description="the decode floor fraction of the fastest config measured at each point"
+    )
+    c_slower_than_a: list[PointRef]
+    c_slower_than_b: list[PointRef]
+    d_faster_than_c: list[PointRef]
+    skew_cost_threshold: float
+    skewed_far_from_floor: list[PointRef] = Field(
+        description="non-uniform points whose skew_cost exceeds skew_cost_threshold: the "
+        "fastest config reaches that many times less of the floor than under uniform routing"
+    )
 
 
 class PeerFigures(_Doc):
@@ -251,6 +398,8 @@ class PeerFigures(_Doc):
 class PeersDoc(_Doc):
     """``peers.json``: FlagGems, vLLM's table and mxdb's dispatch side by side."""
 
+    model_config = _optional("explanations")
+
     schema_name: Literal["mxdb.peers"] = Field(default="mxdb.peers", alias="schema")
     schema_version: Literal["1.0"] = "1.0"
     milestone: str
@@ -267,6 +416,9 @@ class PeersDoc(_Doc):
         "lookup, per family (host measurements, reported as measured)"
     )
     errors: list[str]
+    explanations: Explanations | None = Field(
+        default=None, description="what bounds or explains each target's figure"
+    )
 
 
 def _samples(run: Mapping[str, Any] | None, key: str = "timing") -> list[float] | None:
@@ -275,14 +427,31 @@ def _samples(run: Mapping[str, Any] | None, key: str = "timing") -> list[float] 
     return [float(x) for x in s] if s else None
 
 
+def trace_figures(ids: Iterable[Iterable[int]]) -> tuple[int, float]:
+    """(active experts, hot share) of a top-k trace: distinct experts, and the largest share
+    of the token slots one expert receives."""
+    counts: dict[int, int] = {}
+    slots = 0
+    for row in ids:
+        for x in row:
+            counts[int(x)] = counts.get(int(x), 0) + 1
+            slots += 1
+    return len(counts), (max(counts.values()) / slots if slots else 0.0)
+
+
 def point_figures(
     labels: Mapping[str, str | None],
     runs: Mapping[str, Mapping[str, Any]],
     *,
     active_experts: int,
     bandwidth_bytes_per_s: float,
+    hot_share: float | None = None,
+    dispatch: Mapping[str, str | None] | None = None,
 ) -> dict[str, Any]:
-    """The figures of one point from its runs' raw samples (``KeyError`` on a missing run)."""
+    """The figures of one point from its runs' raw samples (``KeyError`` on a missing run).
+
+    With ``hot_share`` (the layout with explanations) the point's extended figures too.
+    """
     med: dict[str, float] = {}
     for lab in LABELS:
         rid = labels.get(lab)
@@ -304,7 +473,7 @@ def point_figures(
     a, b, c = med["a"], med["b"], med["c"]
     d = med.get("d", c)
     tol = 1.0 + noise
-    return {
+    out: dict[str, Any] = {
         "active_experts": active_experts,
         "median_us": med,
         "noise_band": noise,
@@ -325,6 +494,42 @@ def point_figures(
         else None,
         "eager_over_graph_layer": emed["c"] / c if "c" in emed else None,
     }
+    if hot_share is None:
+        return out
+    best = min(a, b, c, d)
+
+    def config_hash(lab: str) -> Any:
+        return runs[str(labels[lab])].get("config_hash")
+
+    out.update(
+        {
+            "dispatch_reason_c": (dispatch or {}).get("c"),
+            "dispatch_reason_d": (dispatch or {}).get("d"),
+            "hot_share": hot_share,
+            "floor_fraction_best": floor / best,
+            "speedup_best_over_a": stats.speedup(a, best),
+            "speedup_best_over_b": stats.speedup(b, best),
+            "floor_bound_over_a": a / floor,
+            "c_config_is_a": config_hash("c") == config_hash("a"),
+            "c_config_is_b": config_hash("c") == config_hash("b"),
+            "c_faster_than_a": a > c * tol,
+            "c_faster_than_b": b > c * tol,
+            "d_faster_than_c": c > d * tol,
+            "uniform_floor_fraction_best": None,
+            "skew_cost": None,
+        }
+    )
+    return out
+
+
+def skew_costs(rows: Sequence[dict[str, Any]]) -> None:
+    """Set ``uniform_floor_fraction_best`` and ``skew_cost`` on non-uniform rows with a twin."""
+    uniform = {(r["family"], r["tokens"]): r for r in rows if r["routing"] == "uniform"}
+    for r in rows:
+        twin = uniform.get((r["family"], r["tokens"]))
+        if r["routing"] != "uniform" and twin is not None:
+            r["uniform_floor_fraction_best"] = twin["floor_fraction_best"]
+            r["skew_cost"] = twin["floor_fraction_best"] / r["floor_fraction_best"]
 
 
 def aggregate(points: Sequence[Mapping[str, Any]], decode_max_tokens: int) -> dict[str, Any]:
@@ -350,6 +555,72 @@ def aggregate(points: Sequence[Mapping[str, Any]], decode_max_tokens: int) -> di
     }
 
 
+def _ref(r: Mapping[str, Any], keys: Sequence[str]) -> dict[str, Any]:
+    return {
+        "family": r["family"],
+        "tokens": r["tokens"],
+        "routing": r["routing"],
+        "figures": {k: r[k] for k in keys},
+    }
+
+
+def explain(points: Sequence[Mapping[str, Any]], decode_max_tokens: int) -> dict[str, Any]:
+    """The ``explanations`` of the layout that explains missed targets (see the docstring)."""
+
+    def gm(
+        vals: Iterable[Mapping[str, Any]], key: str | Callable[[Mapping[str, Any]], float]
+    ) -> float | None:
+        get = (lambda r: float(r[key])) if isinstance(key, str) else key
+        return stats.geomean(get(r) for r in vals)
+
+    decode = [r for r in points if int(r["tokens"]) <= decode_max_tokens]
+    rest = [r for r in points if int(r["tokens"]) > decode_max_tokens]
+
+    def gap(x: str) -> dict[str, Any]:
+        faster = sum(1 for r in points if r[f"c_faster_than_{x}"])
+        slow = [r for r in points if r[f"c_slower_than_{x}"]]
+        slower = len(slow)
+        reasons: dict[str, int] = {}
+        for r in slow:
+            key = str(r["dispatch_reason_c"] or "unrecorded")
+            reasons[key] = reasons.get(key, 0) + 1
+        return {
+            "geomean_speedup_best_over_peer": gm(points, f"speedup_best_over_{x}"),
+            "decode_geomean_speedup_c_over_peer": gm(decode, f"speedup_c_over_{x}"),
+            "rest_geomean_speedup_c_over_peer": gm(rest, f"speedup_c_over_{x}"),
+            "points_c_is_peer": sum(1 for r in points if r[f"c_config_is_{x}"]),
+            "points_c_faster": faster,
+            "points_c_within_noise": len(points) - faster - slower,
+            "points_c_slower": slower,
+            "points_slower_with_peer_config": sum(1 for r in slow if r[f"c_config_is_{x}"]),
+            "slower_by_dispatch_reason": dict(sorted(reasons.items())),
+        }
+
+    slower_keys = ("speedup_c_over_a", "speedup_c_over_b", "noise_band", "dispatch_reason_c")
+    skew_keys = ("hot_share", "floor_fraction_best", "uniform_floor_fraction_best", "skew_cost")
+    return {
+        "c_over_a": gap("a"),
+        "c_over_b": gap("b"),
+        "decode_geomean_floor_bound_over_a": gm(decode, "floor_bound_over_a"),
+        "decode_geomean_floor_fraction_a": gm(decode, "floor_fraction_a"),
+        "decode_geomean_floor_fraction_b": gm(decode, "floor_fraction_b"),
+        "decode_geomean_floor_fraction_best": gm(decode, "floor_fraction_best"),
+        "c_slower_than_a": [_ref(r, slower_keys) for r in points if r["c_slower_than_a"]],
+        "c_slower_than_b": [_ref(r, slower_keys) for r in points if r["c_slower_than_b"]],
+        "d_faster_than_c": [
+            _ref(r, ("speedup_c_over_d", "noise_band", "routing_class", "dispatch_reason_c"))
+            for r in points
+            if r["d_faster_than_c"]
+        ],
+        "skew_cost_threshold": SKEW_COST,
+        "skewed_far_from_floor": [
+            _ref(r, skew_keys)
+            for r in points
+            if r["skew_cost"] is not None and r["skew_cost"] > SKEW_COST
+        ],
+    }
+
+
 def build_peers(
     points: Sequence[Mapping[str, Any]],
     runs: Mapping[str, Mapping[str, Any]],
@@ -362,11 +633,15 @@ def build_peers(
     targets: Sequence[TargetSpec | Mapping[str, Any]] = TARGETS,
     dispatch_cost: Mapping[str, Mapping[str, float]] | None = None,
     errors: Sequence[str] = (),
+    hot_shares: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """The ``peers.json`` document: ``points`` give identity and run ids, the rest is computed.
 
     Each point needs ``family``, ``tokens``, ``routing``, ``routing_class``, ``trace_hash`` and
     ``runs`` (label -> run id); ``active_experts`` maps a trace hash to its distinct experts.
+    With ``hot_shares`` (trace hash -> hot share, :func:`trace_figures`) the document has the
+    layout with ``explanations``; each point then may carry ``dispatch_reason_c`` and
+    ``dispatch_reason_d`` (the dispatcher's recorded answers).
     """
     rows = []
     for p in points:
@@ -376,11 +651,15 @@ def build_peers(
             runs,
             active_experts=active_experts[p["trace_hash"]],
             bandwidth_bytes_per_s=bandwidth_bytes_per_s,
+            hot_share=None if hot_shares is None else hot_shares[p["trace_hash"]],
+            dispatch={"c": p.get("dispatch_reason_c"), "d": p.get("dispatch_reason_d")},
         )
         ident = {k: p[k] for k in ("family", "tokens", "routing", "routing_class", "trace_hash")}
         rows.append({**ident, "runs": labels, **fig})
+    if hot_shares is not None:
+        skew_costs(rows)
     figures = aggregate(rows, decode_max_tokens)
-    return {
+    doc: dict[str, Any] = {
         "schema": SCHEMA,
         "schema_version": SCHEMA_VERSION,
         "milestone": milestone,
@@ -393,3 +672,167 @@ def build_peers(
         "dispatch_cost": {k: dict(v) for k, v in (dispatch_cost or {}).items()},
         "errors": list(errors),
     }
+    if hot_shares is not None:
+        doc["explanations"] = explain(rows, decode_max_tokens)
+    return doc
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def _num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _even_share(family: str) -> float | None:
+    from mxdb.shapes import PRESETS
+
+    dims = PRESETS.get(family)
+    return None if dims is None else 1.0 / dims[0]
+
+
+def _point_name(ref: Mapping[str, Any]) -> str:
+    return f"{ref['family']} M={ref['tokens']} {ref['routing']}"
+
+
+def _gap_text(t: Mapping[str, Any]) -> str:
+    m, thr = t["measured"], t["threshold"]
+    if m is None:
+        return "no figure was measured"
+    if t["comparison"] == "ge":
+        return f"measured {m:.3f} against >= {thr:g}: short by {thr - m:.3f} ({m / thr:.1%} of it)"
+    return f"measured {m:g} against <= {thr:g}: over by {m - thr:g}"
+
+
+def _listing(refs: Sequence[Mapping[str, Any]], fmt: Callable[[Mapping[str, Any]], str]) -> str:
+    if not refs:
+        return ""
+    shown = [f"{_point_name(r)} ({fmt(r['figures'])})" for r in refs[:16]]
+    more = f"; and {len(refs) - 16} more (peers.json lists them all)" if len(refs) > 16 else ""
+    return "; ".join(shown) + more
+
+
+def explanations_markdown(doc: Mapping[str, Any]) -> list[str]:
+    """Markdown lines: for each missed target, its figure, the gap and the measured reasons.
+
+    Every number comes from ``peers.json`` (``figures``, ``targets``, ``explanations``), which
+    the auditor recomputes from the runs' samples and the traces.
+    """
+    ex = doc.get("explanations")
+    if not ex:
+        return []
+    n = doc["figures"]["n_points"]
+    dmax = doc["decode_max_tokens"]
+    lines = ["## Why targets are missed (from the measurements)", ""]
+    missed = [t for t in doc["targets"] if not t["passed"]]
+    if not missed:
+        lines += ["Every target is met.", ""]
+    for t in missed:
+        name = t["name"]
+        lines.append(f"- **{name}**: {_gap_text(t)}.")
+        if name in ("c_vs_flaggems_geomean", "c_vs_vllm_geomean"):
+            flaggems = "flaggems" in name
+            x = "a" if flaggems else "b"
+            peer = "(a), FlagGems' choice," if flaggems else "(b), vLLM's table,"
+            g = ex[f"c_over_{x}"]
+            best = g["geomean_speedup_best_over_peer"]
+            reach = (
+                "below the threshold too: no choice among the configs measured reaches it"
+                if best is not None and best < t["threshold"]
+                else "so better choices among the measured configs would close part of the gap"
+            )
+            lines.append(
+                f"  Had mxdb dispatched the fastest config measured at every point, the geomean "
+                f"speedup over {peer} would be {_num(best)}, {reach}. "
+                f"(c) ran ({x})'s own config at {g['points_c_is_peer']} of {n} points; it was "
+                f"faster than ({x}) beyond the noise band at {g['points_c_faster']}, within it "
+                f"at {g['points_c_within_noise']} and slower at {g['points_c_slower']}. Geomean "
+                f"(c) over ({x}): {_num(g['decode_geomean_speedup_c_over_peer'])} at decode "
+                f"(M <= {dmax}), {_num(g['rest_geomean_speedup_c_over_peer'])} above."
+            )
+            if x == "a":
+                lines.append(
+                    f"  At decode points FlagGems' config already reaches "
+                    f"{_pct(ex['decode_geomean_floor_fraction_a'])} of the memory-bound floor "
+                    f"(geomean), so a layer at the floor would be only "
+                    f"{_num(ex['decode_geomean_floor_bound_over_a'])}x faster than (a) there: "
+                    "that bounds what any config can gain at decode."
+                )
+        elif name in ("c_never_slower_than_flaggems", "c_never_slower_than_vllm"):
+            x = "a" if "flaggems" in name else "b"
+            refs = ex[f"c_slower_than_{x}"]
+
+            def slower(f: Mapping[str, Any], x: str = x) -> str:
+                return (
+                    f"(c)/({x}) {f[f'speedup_c_over_{x}']:.3f}, noise {f['noise_band']:.2%}, "
+                    f"{f['dispatch_reason_c'] or 'no reason recorded'}"
+                )
+
+            g = ex[f"c_over_{x}"]
+            reasons = ", ".join(f"{k}: {v}" for k, v in g["slower_by_dispatch_reason"].items())
+            lines.append(
+                f"  The dispatcher's answers at the points where (c) is slower than ({x}): "
+                f"{reasons or 'none recorded'}. A neighbour answer is an entry tuned at another "
+                "M or routing class; a fallback answer (any reason but exact_match, "
+                "adjacent_routing and neighbour_*) runs FlagGems' config; an exact_match slower "
+                f"than ({x}) is an entry whose tuned speedup did not hold in this run. At "
+                f"{g['points_slower_with_peer_config']} of these points (c) ran ({x})'s own "
+                "config: identical configs timed apart by more than the control pair's noise "
+                "band, which understates the noise there. Points: " + _listing(refs, slower) + "."
+            )
+        elif name == "decode_floor_fraction":
+            best = ex["decode_geomean_floor_fraction_best"]
+            lines.append(
+                f"  At decode points the fastest config measured at each point reaches "
+                f"{_pct(best)} of the floor (geomean), FlagGems' config "
+                f"{_pct(ex['decode_geomean_floor_fraction_a'])} and vLLM's "
+                f"{_pct(ex['decode_geomean_floor_fraction_b'])}"
+                + (
+                    ": no config measured reaches the target, so the gap is the kernel's, "
+                    "not the config choice's."
+                    if best is not None and best < t["threshold"]
+                    else ": a better choice among the measured configs would close part of it."
+                )
+            )
+        elif name == "routing_aware_pays":
+            refs = ex["d_faster_than_c"]
+            lines.append(
+                f"  (d) is faster than (c) beyond the noise band at {len(refs)} points"
+                + (": " if refs else ".")
+                + _listing(
+                    refs,
+                    lambda f: (
+                        f"(c)/(d) {f['speedup_c_over_d']:.3f}, noise {f['noise_band']:.2%}, "
+                        f"class {f['routing_class']}"
+                    ),
+                )
+            )
+        else:
+            lines.append("  No further measured breakdown is recorded for this target.")
+    skewed = ex["skewed_far_from_floor"]
+    lines += [
+        "",
+        f"### Skewed points far from the floor ({len(skewed)})",
+        "",
+        "Non-uniform points where the fastest config measured reaches more than "
+        f"{ex['skew_cost_threshold']:g}x less of the memory-bound floor than under uniform "
+        "routing at the same family and M (the floor counts the experts that receive tokens): "
+        "the hottest expert's tokens serialize on that expert's tiles while the others idle, "
+        "whatever the config.",
+        "",
+    ]
+    if skewed:
+        lines += [
+            "| point | hottest expert's share of slots | even split | best floor fraction | "
+            "same, uniform routing | skew cost |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in skewed:
+            f = r["figures"]
+            lines.append(
+                f"| {_point_name(r)} | {_pct(f['hot_share'])} | "
+                f"{_pct(_even_share(r['family']))} | {_num(f['floor_fraction_best'])} | "
+                f"{_num(f['uniform_floor_fraction_best'])} | {_num(f['skew_cost'])}x |"
+            )
+    return [*lines, ""]
