@@ -234,3 +234,17 @@ def test_peer_seeds_always_reach_the_replayed_comparison() -> None:
     assert seed_cfg.hash in synthetic and seed_cfg.hash in finals
     seed_final = finals[seed_cfg.hash]
     assert seed_final.samples_us and seed_final.trace_hash == point.replay.trace_hash
+
+
+def test_seed_lines_off_keeps_the_first_rung_to_the_drawn_configs() -> None:
+    fb = FakeBackend(seed=3)
+    point = _point("mixtral-8x7b", 16)
+    on = _run(fb, point, max_candidates=8, halving_rounds=1, finalists=2, replicates=2)
+    off = _run(fb, point, max_candidates=8, halving_rounds=1, finalists=2, replicates=2,
+               seed_lines=False)  # fmt: skip
+
+    def pool(r: SearchResult) -> int:  # configs that entered the first rung, before the proxy
+        return r.stages["compiled"] + r.stages["proxy_rejected"]
+
+    assert pool(off) <= 9  # the drawn configs and FlagGems' choice
+    assert pool(on) > pool(off) + 8  # plus the one-field line search

@@ -196,6 +196,8 @@ def search(
     # draws: at decode sizes the optimum is usually a few fields away from the seeds
     near = _dedup(
         [KernelConfig.uniform(g) for c in (baseline, *seeds) for g in _line(space, c.gemm1)]
+        if options.seed_lines
+        else []
     )
     pool = _dedup([*space.uniform(), *seeds, baseline])
     if options.max_candidates is not None and len(pool) > options.max_candidates:

@@ -150,6 +150,11 @@ class SearchOptions(BaseModel):
         default=True, description="hill-climbing also tries twice the smallest alignment block"
     )
     joint: bool = Field(default=True, description="refine GEMM1, GEMM2 and alignment separately")
+    seed_lines: bool = Field(
+        default=True,
+        description="the first rung also holds every config one field away from FlagGems' "
+        "choice and the peer seeds (a line search along each field); off for quick sweeps",
+    )
     check_seed: int = 1234
 
 
