@@ -12,8 +12,9 @@ environment fingerprint matches the current one under the policy, it has the
 same op, dtype and shape family, its token count is within ``neighbour_ratio``
 of the call's, and its routing class is the same or adjacent.  A ``baseline``
 entry (the tuner measured that key and nothing beat FlagGems' own choice) takes
-part in that choice like a verified one; when it is the closest, the answer is
-the fallback (FlagGems' choice) with reason ``baseline_measured``.
+part in that choice like a verified one, and outranks verified entries of the
+same key (traces of one routing class that disagree); when it is the closest,
+the answer is the fallback (FlagGems' choice) with reason ``baseline_measured``.
 """
 
 from __future__ import annotations
@@ -278,9 +279,11 @@ class Dispatcher:
             if by_tokens is None:
                 by_tokens = best[routing_class] = {}
             old = by_tokens.get(tokens)
-            # a verified config outranks a baseline record at the same key
-            rank = (status == "verified", speedup or 0.0, row_id)
-            if old is None or rank > (old[5] == "verified", old[6] or 0.0, old[0]):
+            # A baseline record outranks verified configs at the same key: routings of one
+            # class (several traces) measured there disagree, and on one of them nothing beat
+            # FlagGems' choice, so FlagGems' choice is the answer no measurement contradicts.
+            rank = (status == "baseline", speedup or 0.0, row_id)
+            if old is None or rank > (old[5] == "baseline", old[6] or 0.0, old[0]):
                 by_tokens[tokens] = row
         if not best:
             stale_here = any(

@@ -7,8 +7,9 @@ interpreter test runs the same kernels on CPU tensors under Triton's interpreter
 Error bounds (``rel = max|out - ref| / max|ref|`` against the float32 reference; ``abs`` =
 ``max|out - ref|``), the tuner's correctness table (:mod:`mxdb.evidence.thresholds`):
 fp16 abs <= 1e-2, rel <= 1e-2; bf16 abs <= 6.25e-2, rel <= 5e-2.  Against the unfused model
-chain (``decode_ref``), RMSNorm/add+RMSNorm are bit-identical in fp16 and the new residual of
-add+RMSNorm is bit-identical in both dtypes on the GPU.
+chain (``decode_ref``), add+RMSNorm's output is within two units in the last place (the sum of
+squares is reduced in another order) and its new residual is bit-identical in both dtypes on
+the GPU.
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ CHECK = textwrap.dedent(
             return [max(x) for x in zip(*(err(p, q) for p, q in zip(a, b)))]
         d = (a.float() - b.float()).abs().max().item()
         return [d, d / max(b.float().abs().max().item(), 1e-30)]
+    def ulps(a, b):
+        # largest difference in units in the last place of b's dtype, at b's magnitude
+        d = (a.float() - b.float()).abs()
+        mant = 10 if b.dtype == torch.float16 else 7
+        m = b.float().abs().clamp_min(torch.finfo(b.dtype).tiny)
+        return (d / torch.exp2(torch.floor(torch.log2(m)) - mant)).max().item()
     def same(a, b):
         if isinstance(a, tuple):
             return all(same(p, q) for p, q in zip(a, b))
@@ -65,8 +72,7 @@ CHECK = textwrap.dedent(
                 y, h = ops.add_rms_norm(x, r, w, 1e-6)
                 yr, hr = R.add_rms_norm(x, r, w, 1e-6)
                 out[f"{name}/add_rms_norm_residual_exact/{rows}x{n}/{rep}"] = bool(torch.equal(h, hr))
-                if (rows, n) in ((1, 64), (37, 1000), (3, 4096)):  # bit-identical on these
-                    out[f"{name}/add_rms_norm_vs_chain/{rows}x{n}/{rep}"] = err(y, yr)
+                out[f"{name}/add_rms_norm_vs_chain/{rows}x{n}/{rep}"] = ulps(y, yr)
             # a row view at an odd offset: another pointer alignment, another specialization
             big = rnd(9, 80)
             xv, wv = big[:, 1:65], 1 + rnd(64, scale=0.1)
@@ -153,8 +159,10 @@ def _judge(results: dict, *, bf16_exact: bool, recorded: bool) -> None:
                 assert value is True, key
             continue
         if "vs_chain" in key:
-            if dtype == "fp16":
-                assert value[0] == 0.0, (key, value)
+            # the sum of squares is reduced in another order than torch's: rstd can differ in
+            # its last bit, which moves a rounded output by one unit, two after the weight
+            if dtype == "fp16" or bf16_exact:
+                assert value <= 2.0, (key, value)
             continue
         max_abs, rel = BOUNDS[dtype]
         assert value[0] <= max_abs and value[1] <= rel, (key, value)

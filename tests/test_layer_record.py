@@ -34,9 +34,9 @@ class FakeLauncher:
 class FakePipe:
     """Two Triton steps reading the call's x and writing its output, like a pipeline's GEMMs."""
 
-    def __init__(self, launcher: FakeLauncher) -> None:
+    def __init__(self, launcher: FakeLauncher, device: str = "cuda") -> None:
         self.launcher = launcher
-        self.out = torch.zeros(2, 4)
+        self.out = torch.zeros(2, 4, device=device)
 
     def steps(self, x: Any, tw: Any, ids: Any, out: Any) -> list[tuple[str, Any]]:
         def gemm() -> None:
@@ -68,10 +68,12 @@ def test_flat_layout_is_recorded_and_binds_the_calls_tensors(fake_driver: Any) -
 
     launcher = FakeLauncher(nested=False)
     pipe = FakePipe(launcher)
-    x, tw, ids = torch.ones(2, 4), torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.int64)
+    # CUDA tensors: the replay reads the current stream of the call's device (nothing launches)
+    x, tw = torch.ones(2, 4, device="cuda"), torch.ones(2, 1, device="cuda")
+    ids = torch.zeros(2, 1, dtype=torch.int64, device="cuda")
     plan = record_plan(pipe, x, tw, ids)  # type: ignore[arg-type]
     launcher.calls.clear()
-    x2 = torch.full((2, 4), 2.0)
+    x2 = torch.full((2, 4), 2.0, device="cuda")
     plan(x2, tw, ids)
     [args] = launcher.calls
     assert any(a is x2 for a in args) and not any(a is x for a in args)
@@ -82,6 +84,7 @@ def test_nested_layout_is_refused(fake_driver: Any) -> None:
     from mxdb.kernels.layer import record_plan
 
     pipe = FakePipe(FakeLauncher(nested=True))
-    x, tw, ids = torch.ones(2, 4), torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.int64)
+    x, tw = torch.ones(2, 4, device="cuda"), torch.ones(2, 1, device="cuda")
+    ids = torch.zeros(2, 1, dtype=torch.int64, device="cuda")
     with pytest.raises(RuntimeError, match="layout this recorder does not know"):
         record_plan(pipe, x, tw, ids)  # type: ignore[arg-type]

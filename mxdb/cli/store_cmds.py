@@ -187,9 +187,9 @@ def import_mxdb_cmd(path: Path, db: str | None, as_json: bool) -> None:
     "--status",
     "statuses",
     multiple=True,
-    default=("verified",),
+    default=("verified", "baseline"),
     show_default=True,
-    help="Entry statuses to export (repeatable).",
+    help="Entry statuses to export (repeatable); vllm/flaggems tables take verified ones only.",
 )
 @db_option
 @json_option
