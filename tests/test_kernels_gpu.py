@@ -210,7 +210,7 @@ def test_moe_layer_per_m_configs_eager_graphed_and_captured(torch):
             b = graphed(x, tw, ids).clone()
             assert torch.equal(a, b)
     assert sorted(set(asked)) == [1, 5, 40] and len(asked) == 6  # once per M per layer
-    assert eager.workspace(40).config == split
+    assert eager.pipelines[40].config == split and eager.launches(40)  # recorded plan
     # the eager layer can be captured in the caller's own graph
     x, tw, ids = big.x[:5].contiguous(), big.topk_weights[:5].contiguous(), big.topk_ids[:5]
     ids = ids.contiguous()
