@@ -22,7 +22,7 @@ export MXDB_DB="sqlite:///$store"
 echo "== mxdb import mxdb evidence/store-export.json  (into $store)"
 mxdb import mxdb evidence/store-export.json
 
-fp=$(ls evidence/h200-milestone-*/fingerprint.json | head -1)
+fp=evidence/h200-peers/fingerprint.json
 for m in 4 64 1024; do
   echo "== mxdb dispatch Mixtral-8x7B bf16 M=$m (as recorded in $fp)"
   mxdb dispatch --experts 8 --hidden 4096 --intermediate 14336 --topk 2 --tokens "$m" \

@@ -31,6 +31,7 @@ REASONS: dict[str, str] = {
     "tokens_out_of_range": "verified entries exist, but none within the measured token neighbourhood",
     "routing_class_far": "verified entries exist, but only for non-adjacent routing classes",
     "unknown_routing_class": "the routing class given is not one mxdb knows",
+    "baseline_measured": "measured here (or nearest): nothing beat FlagGems' own choice beyond noise",
 }
 
 

@@ -323,3 +323,17 @@ def test_baseline_records_answer_with_flaggems_choice(store: Store) -> None:
     assert disp.dispatch(SHAPE.with_tokens(32), "uniform").reason == "baseline_measured"
     # adjacent routing class: the baseline record is as good a witness as a verified entry
     assert disp.dispatch(SHAPE.with_tokens(8), "skewed").reason == "baseline_measured"
+
+
+def test_every_reason_the_dispatcher_gives_is_described() -> None:
+    import re
+
+    from mxdb import dispatcher
+    from mxdb.decision import REASONS
+
+    source = Path(dispatcher.__file__).read_text()
+    given = set(re.findall(r'fallback\(\s*"([a-z_]+)"', source))
+    given |= set(re.findall(r'reason = "([a-z_]+)"', source))
+    given |= set(re.findall(r'empty_reason = "([a-z_]+)"', source))
+    assert {"baseline_measured", "exact_match", "no_entry"} <= given
+    assert given <= set(REASONS), given - set(REASONS)
