@@ -9,6 +9,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 from click.testing import CliRunner
 
@@ -279,3 +280,39 @@ def test_points_where_flaggems_wins_are_stored_as_baseline_records(tmp_path: Pat
         store.add_entries([entry.model_copy(update={"fingerprint_hash": be.fingerprint().hash})])
         d = Dispatcher(store, be.fingerprint()).dispatch(shape, "uniform")
         assert (d.level, d.reason) == ("fallback", "baseline_measured")
+
+
+class _SlowOn(FakeBackend):
+    """A fake host on which one config is three times slower (on every trace)."""
+
+    def __init__(self, slow: str, **kw: Any) -> None:
+        super().__init__(**kw)
+        self.slow = slow
+
+    def true_us(self, shape: MoEShape, counts: Any, cfg: KernelConfig) -> float:
+        t = super().true_us(shape, counts, cfg)
+        return 3.0 * t if cfg.hash == self.slow else t
+
+
+def test_a_verified_config_another_trace_of_its_key_contradicts_is_rejected(
+    tmp_path: Path,
+) -> None:
+    """Two traces of one routing class share a key: the second point times the first one's
+    verified config on its own trace, and rejects it when it is slower than FlagGems' choice."""
+    from mxdb.dispatcher import Dispatcher
+
+    url = f"sqlite:///{tmp_path / 'k.sqlite'}"
+    one = _wl(tokens=[64], routings=[{"kind": "uniform"}], seed=0)
+    rep = tune(one, store_url=url, out_dir=tmp_path, backend_factory=FakeBackend, progress=False)
+    [won] = rep.verified
+    first = KernelConfig.parse(won["config"])
+    two = _wl(tokens=[64], routings=[{"kind": "uniform"}], seed=1)  # another trace, same class
+    tune(two, store_url=url, out_dir=tmp_path, backend_factory=lambda: _SlowOn(first.hash),
+         progress=False)  # fmt: skip
+    with Store.open(url) as store:
+        old = [e for e in store.entries(source="tune") if e.config_hash == first.hash]
+        assert [e.status for e in old] == ["rejected"]
+        assert "slower than FlagGems' choice" in (old[0].stale_reason or "")
+        fp = FakeBackend().fingerprint()
+        d = Dispatcher(store, fp).dispatch(one.points()[0].shape, "uniform")
+        assert d.config != first

@@ -676,15 +676,18 @@ class Store:
         *,
         entries: Sequence[Entry] = (),
         measurements: Sequence[Measurement] = (),
+        rejections: Sequence[tuple[int, str]] = (),
     ) -> bool:
         """Write the point's results and mark it done, in one transaction.
 
-        Returns False, writing nothing, if the claim was lost (another worker took
-        the point after the lease expired, or it is done).  A claim whose lease
-        expired but that nobody took yet still completes.
+        ``rejections`` are ``(entry id, reason)`` of verified entries the point's measurements
+        contradict: they become ``rejected`` in the same transaction.  Returns False, writing
+        nothing, if the claim was lost (another worker took the point after the lease expired,
+        or it is done).  A claim whose lease expired but that nobody took yet still completes.
         """
         entries = list(entries)
         measurements = list(measurements)
+        rejections = list(rejections)
 
         def fn(conn: Connection) -> bool:
             held = conn.execute(
@@ -694,6 +697,14 @@ class Store:
                 return False
             self._add_measurements(conn, measurements)
             self._add_entries(conn, entries)
+            if rejections:
+                self._bump(conn)
+            for entry_id, reason in rejections:
+                conn.execute(
+                    update(entries_t)
+                    .where(entries_t.c.id == int(entry_id), entries_t.c.status == "verified")
+                    .values(status="rejected", stale_reason=reason)
+                )
             conn.execute(
                 update(points_t)
                 .where(self._held(claim))

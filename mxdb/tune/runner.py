@@ -27,7 +27,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from mxdb.configs import KernelConfig
 from mxdb.errors import MxdbError, UsageError
+from mxdb.evidence import stats
 from mxdb.models import Entry, Fingerprint, Measurement
 from mxdb.shapes import MoEShape
 from mxdb.store import Claim, Store
@@ -246,13 +248,13 @@ def work(
         beat = threading.Thread(target=_heartbeat, args=(store, claim, lease_s, stop), daemon=True)
         beat.start()
         try:
-            ms, entries = measure_point(
+            ms, entries, rejections = measure_point(
                 job, claim, backend, options, fingerprint_hash, deadline, store, space_cache
             )
         finally:
             stop.set()
             beat.join()
-        if store.complete_point(claim, entries=entries, measurements=ms):
+        if store.complete_point(claim, entries=entries, measurements=ms, rejections=rejections):
             n += 1
             if on_done is not None:
                 on_done()
@@ -292,8 +294,15 @@ def measure_point(
     deadline: float | None,
     store: Store,
     space_cache: dict[tuple[int, ...], SearchSpace] | None = None,
-) -> tuple[list[Measurement], list[Entry]]:
-    """Search one claimed point; returns what to write with its completion."""
+) -> tuple[list[Measurement], list[Entry], list[tuple[int, str]]]:
+    """Search one claimed point; returns what to write with its completion.
+
+    Verified configs already stored at the point's key (shape, M, dtype, routing class) under
+    this fingerprint, from other traces of the class, are timed in the point's final
+    comparison too (as seeds); one slower than FlagGems' choice on this trace beyond the noise
+    band is returned for rejection: a config stays verified for a key only while no trace of
+    that key contradicts it.
+    """
     payload = claim.payload
     point = Point.from_payload(payload)
     shape = point.shape
@@ -306,6 +315,7 @@ def measure_point(
         space = SearchSpace(shape, backend.profile())
         cache[key] = space
     prefix = f"{_job_tag(job)}-{_point_tag(claim.key)}-{uuid.uuid4().hex[:6]}"
+    incumbents = _incumbents(store, shape, replay.routing_class, fingerprint_hash)
     pin = PointInput(
         shape=shape,
         replay=RoutingInput(replay.ids, replay.trace_hash, replay.routing_class),
@@ -313,7 +323,7 @@ def measure_point(
         seed=int(replay.generator.get("seed") or 0),
         run_prefix=prefix,
         fingerprint_hash=fingerprint_hash,
-        peer_seeds=tuple(peer_seeds(store, shape)),
+        peer_seeds=tuple(_dedup_configs([*peer_seeds(store, shape), *incumbents.values()])),
     )
     budget_s = None
     if deadline is not None:
@@ -343,7 +353,64 @@ def measure_point(
             fingerprint_hash=fingerprint_hash,
             device_name=backend.fingerprint().device_name,
         )
-    return result.measurements, [entry] if entry is not None else []
+    rejections = contradicted(result, verdict, incumbents, replay.trace_hash)
+    return result.measurements, [entry] if entry is not None else [], rejections
+
+
+def _dedup_configs(configs: Sequence[KernelConfig]) -> list[KernelConfig]:
+    return list({c.hash: c for c in configs}.values())
+
+
+def _incumbents(
+    store: Store, shape: MoEShape, routing_class: str, fingerprint_hash: str
+) -> dict[int, KernelConfig]:
+    """Verified configs stored at this key (any trace), by entry id."""
+    out: dict[int, KernelConfig] = {}
+    for e in store.entries(
+        op=shape.op,
+        dtype=shape.dtype,
+        family=shape.family,
+        status="verified",
+        fingerprint_hash=fingerprint_hash,
+    ):
+        if e.tokens == shape.tokens and e.routing_class == routing_class and e.id is not None:
+            out[e.id] = KernelConfig.parse(e.config)
+    return out
+
+
+def contradicted(
+    result: SearchResult,
+    verdict: Verdict,
+    incumbents: dict[int, KernelConfig],
+    trace_hash: str,
+) -> list[tuple[int, str]]:
+    """The incumbents this point's final comparison found slower than FlagGems' choice.
+
+    Slower means ``speedup < 1 - noise band`` on the point's replayed trace, from the final
+    interleaved timing (the same samples and band the point's own verdict uses).
+    """
+    if verdict.noise_band is None or not result.baseline_samples:
+        return []
+    base = stats.median(result.baseline_samples)
+    finals: dict[str, list[float]] = {}
+    for m in result.measurements:
+        if m.fidelity == "layer" and m.status == "ok" and m.samples_us:
+            finals[m.config_hash] = list(m.samples_us)
+    out = []
+    for entry_id, cfg in sorted(incumbents.items()):
+        samples = finals.get(cfg.hash)
+        if not samples:
+            continue
+        speedup = stats.speedup(base, stats.median(samples))
+        if speedup < 1.0 - verdict.noise_band:
+            out.append(
+                (
+                    entry_id,
+                    f"slower than FlagGems' choice ({speedup:.4f}x, band "
+                    f"{verdict.noise_band:.4f}) on trace {trace_hash} of the same key",
+                )
+            )
+    return out
 
 
 def baseline_record(
@@ -529,8 +596,12 @@ def _job_entries(store: Store, job: str, fingerprint_hash: str) -> list[Entry]:
     tag = _job_tag(job) + "-"
     return [
         e
+        # rejected ones too: a later trace of the key contradicted them, but this job's own
+        # bundle verified them and its store export says what became of them
         for e in store.entries(
-            fingerprint_hash=fingerprint_hash, source="tune", status=["verified", "baseline"]
+            fingerprint_hash=fingerprint_hash,
+            source="tune",
+            status=["verified", "baseline", "rejected"],
         )
         if e.evidence and e.evidence.startswith(tag)
     ]
