@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from mxdb import KernelConfig, MoEShape
 from mxdb.audit import audit_bundle
 from mxdb.cli.app import cli
 from mxdb.configs import GemmConfig
+from mxdb.models import Measurement
 from mxdb.store import Store
 from mxdb.tune.fake import FakeBackend
 from mxdb.tune.runner import job_name, tune
@@ -256,12 +258,24 @@ def test_points_where_flaggems_wins_are_stored_as_baseline_records(tmp_path: Pat
     base = KernelConfig.uniform(
         GemmConfig(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=2)
     )
+    other = KernelConfig.uniform(
+        GemmConfig(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=3)
+    )
+    finalist = Measurement(
+        run_id="t-fin01", dtype="bf16", family=shape.family, dims=shape.dims(), tokens=16,
+        routing_class="uniform", config=other.model_dump(), config_hash=other.hash,
+        fidelity="layer", status="ok", samples_us=[100.2, 100.4],
+    )  # fmt: skip
     result = SearchResult(
-        shape=shape, measurements=[], baseline=base, winner=None, winner_samples=[],
+        shape=shape, measurements=[finalist], baseline=base, winner=None, winner_samples=[],
         baseline_samples=[100.0, 101.0], control_samples=([100.0], [100.5]), correctness=None,
         budget_exhausted=False, spent_s=1.0,
     )  # fmt: skip
     within = Verdict(False, "within the band", 1.003, 0.005, 99.7, 100.5)
+    # a budget that ran out before any finalist was timed compared nothing: no record
+    nothing = replace(result, measurements=[])
+    assert baseline_record(nothing, within, routing_class="uniform", fingerprint_hash=None,
+                           device_name=None) is None  # fmt: skip
     entry = baseline_record(
         result, within, routing_class="uniform", fingerprint_hash="f" * 16, device_name="X"
     )

@@ -424,10 +424,18 @@ def baseline_record(
     """The ``baseline`` entry of a point where nothing beat FlagGems' choice beyond the noise.
 
     Only when the point measured what the verdict needs (FlagGems' choice on the replayed
-    routing and a control pair): then the key is known to be FlagGems', and the dispatcher
-    answers it with FlagGems' choice instead of a neighbouring key's config.
+    routing, a control pair, and at least one finalist timed beside them): then the key is
+    known to be FlagGems', and the dispatcher answers it with FlagGems' choice instead of a
+    neighbouring key's config.
     """
     if verdict.verified or verdict.baseline_median_us is None or verdict.noise_band is None:
+        return None
+    # a point whose budget ran out before any finalist was timed compared nothing with
+    # FlagGems' choice: that is no evidence for it
+    if not any(
+        m.fidelity == "layer" and m.role == "candidate" and m.samples_us
+        for m in result.measurements
+    ):
         return None
     s = result.shape
     base = result.baseline
