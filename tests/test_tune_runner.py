@@ -309,13 +309,13 @@ class _SlowOn(FakeBackend):
 
 
 def test_a_verified_config_another_trace_of_its_key_contradicts_is_rejected(
-    tmp_path: Path,
+    db_url: str, tmp_path: Path
 ) -> None:
     """Two traces of one routing class share a key: the second point times the first one's
     verified config on its own trace, and rejects it when it is slower than FlagGems' choice."""
     from mxdb.dispatcher import Dispatcher
 
-    url = f"sqlite:///{tmp_path / 'k.sqlite'}"
+    url = db_url
     one = _wl(tokens=[64], routings=[{"kind": "uniform"}], seed=0)
     rep = tune(one, store_url=url, out_dir=tmp_path, backend_factory=FakeBackend, progress=False)
     [won] = rep.verified
