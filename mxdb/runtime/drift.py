@@ -187,10 +187,10 @@ def guard(
 
     A row's ``drift`` is the measured speedup over FlagGems' choice divided by the recorded one
     (or, without a recorded speedup, recorded over measured time): below 1 the entry got slower
-    than it was relative to the baseline.  Only verified entries with a recorded median whose fingerprint matches the backend's
-    environment are guards.  ``mark`` marks the entries that got slower as stale.
+    than it was relative to the baseline.  Only verified entries with a recorded median whose
+    fingerprint matches the backend's environment are guards.  ``mark`` marks the entries that
+    got slower as stale.
     """
-
     if not threshold > 0:
         raise UsageError(f"guard threshold must be > 0, got {threshold}")
     current = backend.fingerprint()
