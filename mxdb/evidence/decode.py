@@ -154,7 +154,11 @@ def case_claims(case: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def variant_figures(v: Mapping[str, Any], batch: int) -> tuple[float, float]:
-    """``(tokens_per_s, launches_per_token)`` of a variant from its raw figures."""
+    """``(tokens_per_s, launches_per_token)`` of a variant from its raw figures.
+
+    Launches per token are per decode step: a step produces the next token of every sequence
+    of the batch with one pass of the model, whose launches do not grow with the batch.
+    """
     return batch / stats.median([float(x) for x in v["step_s"]]), v["launches"] / v[
         "profiled_steps"
     ]
