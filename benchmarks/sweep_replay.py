@@ -50,6 +50,7 @@ import numpy as np
 from mxdb.configs import GemmConfig, KernelConfig
 from mxdb.evidence.thresholds import THRESHOLDS
 from mxdb.models import Fingerprint
+from mxdb.routing import expert_counts
 from mxdb.shapes import MoEShape
 from mxdb.tune.backend import CompileResult, Correctness, Timing
 from mxdb.tune.space import SearchSpace
@@ -230,7 +231,7 @@ class SweepReplay:
         if (rhash, seed) not in self._routings:
             self._routings.add((rhash, seed))
             gpu += NEW_ROUTING_S
-        counts = np.bincount(ids.reshape(-1).astype(np.int64), minlength=shape.experts)
+        counts = expert_counts(ids, shape.experts)
         rng = np.random.default_rng([self.seed & 0xFFFFFFFF, seed & 0xFFFFFFFF, c.time_calls])
         out = []
         nz = self.noise
@@ -258,7 +259,7 @@ class SweepReplay:
         self.counters.check_calls += 1
         t = THRESHOLDS[shape.dtype]
         status, _ = self._status(config)
-        counts = np.bincount(np.asarray(topk_ids).reshape(-1), minlength=shape.experts)
+        counts = expert_counts(np.asarray(topk_ids), shape.experts)
         if status == "ok":
             self.counters.gpu_seconds += CHECK_S + 3 * self.true_us(config, counts, "") * 1e-6
         err = t.max_abs * 0.1
@@ -351,6 +352,7 @@ def simulate(
     ex_best = min(meds[:3])
     answer = mx["comparison"]["answer"]
     ans_med = meds[3] if answer == "winner" else meds[4]
+    counts = expert_counts(np.asarray(ids), shape.experts)
     return {
         "point": sp["id"],
         "seed": seed,
@@ -362,13 +364,9 @@ def simulate(
         "winner": KernelConfig.parse(mx["winner"]).short(),
         "stages": mx["stages"],
         "budget_exhausted": mx["budget_exhausted"],
-        "true_ratio": backend.model_us(KernelConfig.parse(mx["winner"]), _counts(ids, shape))
-        / min(backend.model_us(c, _counts(ids, shape)) for c in lineup[:3]),
+        "true_ratio": backend.model_us(KernelConfig.parse(mx["winner"]), counts)
+        / min(backend.model_us(c, counts) for c in lineup[:3]),
     }
-
-
-def _counts(ids: np.ndarray, shape: MoEShape) -> np.ndarray:
-    return np.bincount(np.asarray(ids).reshape(-1), minlength=shape.experts)
 
 
 def main(argv: list[str] | None = None) -> int:
