@@ -250,9 +250,8 @@ def test_points_where_flaggems_wins_are_stored_as_baseline_records(tmp_path: Pat
     """When nothing beats FlagGems' choice beyond the noise band, the key is stored as a
     ``baseline`` entry (FlagGems' config), so the dispatcher answers FlagGems' choice there."""
     from mxdb.dispatcher import Dispatcher
-    from mxdb.tune.runner import baseline_record
     from mxdb.tune.search import SearchResult
-    from mxdb.tune.verify import Verdict
+    from mxdb.tune.verify import Verdict, baseline_record
 
     shape = MoEShape(128, 2048, 768, 8, 16, "bf16")
     base = KernelConfig.uniform(

@@ -37,7 +37,7 @@ from mxdb.tune.backend import Backend
 from mxdb.tune.search import PointInput, RoutingInput, SearchResult, search
 from mxdb.tune.space import SearchSpace, peer_seeds
 from mxdb.tune.traces import Trace, point_traces
-from mxdb.tune.verify import Verdict, judge, verified_entry
+from mxdb.tune.verify import Verdict, baseline_record, judge, verified_entry
 from mxdb.tune.workload import Point, SearchOptions, Workload
 
 BackendFactory = Callable[[], Backend]
@@ -411,57 +411,6 @@ def contradicted(
                 )
             )
     return out
-
-
-def baseline_record(
-    result: SearchResult,
-    verdict: Verdict,
-    *,
-    routing_class: str,
-    fingerprint_hash: str | None,
-    device_name: str | None,
-) -> Entry | None:
-    """The ``baseline`` entry of a point where nothing beat FlagGems' choice beyond the noise.
-
-    Only when the point measured what the verdict needs (FlagGems' choice on the replayed
-    routing, a control pair, and at least one finalist timed beside them): then the key is
-    known to be FlagGems', and the dispatcher answers it with FlagGems' choice instead of a
-    neighbouring key's config.
-    """
-    if verdict.verified or verdict.baseline_median_us is None or verdict.noise_band is None:
-        return None
-    # a point whose budget ran out before any finalist was timed compared nothing with
-    # FlagGems' choice: that is no evidence for it
-    if not any(
-        m.fidelity == "layer" and m.role == "candidate" and m.samples_us
-        for m in result.measurements
-    ):
-        return None
-    s = result.shape
-    base = result.baseline
-    run = next(
-        (m.run_id for m in result.measurements if m.role == "baseline" and m.status == "ok"),
-        None,
-    )
-    return Entry(
-        op=s.op,
-        dtype=s.dtype,
-        family=s.family,
-        dims=s.dims(),
-        tokens=s.tokens,
-        routing_class=routing_class,
-        config=base.model_dump(),
-        config_hash=base.hash,
-        fingerprint_hash=fingerprint_hash,
-        device_name=device_name,
-        status="baseline",
-        source="tune",
-        speedup=1.0,
-        noise_band=verdict.noise_band,
-        median_us=verdict.baseline_median_us,
-        baseline_us=verdict.baseline_median_us,
-        evidence=run,
-    )
 
 
 def _child(

@@ -9,15 +9,19 @@ definitions (:mod:`mxdb.evidence.stats`), so the auditor recomputes exactly thes
 - ``speedup = median(baseline samples) / median(winner samples)``;
 - ``noise band = max(a, b) / min(a, b) - 1`` for the control pair's medians ``a``, ``b``;
 - verified when ``speedup - 1 > noise band`` (no control pair, no verification).
+
+A point that timed finalists beside the baseline and verified none is stored as a ``baseline``
+record: the key measured, FlagGems' own choice not beaten.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mxdb.configs import KernelConfig
 from mxdb.evidence import stats
 from mxdb.evidence.thresholds import passes
-from mxdb.models import Entry
+from mxdb.models import Entry, EntryStatus
 from mxdb.tune.search import SearchResult
 
 
@@ -88,6 +92,78 @@ def verified_entry(
     """The store entry (status "verified") for a verified winner, else None."""
     if not verdict.verified or result.winner is None:
         return None
+    return _point_entry(
+        result,
+        result.winner,
+        "verified",
+        routing_class=routing_class,
+        fingerprint_hash=fingerprint_hash,
+        device_name=device_name,
+        speedup=verdict.speedup,
+        noise_band=verdict.noise_band,
+        median_us=verdict.winner_median_us,
+        baseline_us=verdict.baseline_median_us,
+        evidence=evidence,
+    )
+
+
+def baseline_record(
+    result: SearchResult,
+    verdict: Verdict,
+    *,
+    routing_class: str,
+    fingerprint_hash: str | None,
+    device_name: str | None,
+) -> Entry | None:
+    """The ``baseline`` entry of a point where nothing beat FlagGems' choice beyond the noise.
+
+    Only when the point measured what the verdict needs (FlagGems' choice on the replayed
+    routing, a control pair, and at least one finalist timed beside them): then the key is
+    known to be FlagGems', and the dispatcher answers it with FlagGems' choice instead of a
+    neighbouring key's config.
+    """
+    if verdict.verified or verdict.baseline_median_us is None or verdict.noise_band is None:
+        return None
+    # a point whose budget ran out before any finalist was timed compared nothing with
+    # FlagGems' choice: that is no evidence for it
+    if not any(
+        m.fidelity == "layer" and m.role == "candidate" and m.samples_us
+        for m in result.measurements
+    ):
+        return None
+    run = next(
+        (m.run_id for m in result.measurements if m.role == "baseline" and m.status == "ok"),
+        None,
+    )
+    return _point_entry(
+        result,
+        result.baseline,
+        "baseline",
+        routing_class=routing_class,
+        fingerprint_hash=fingerprint_hash,
+        device_name=device_name,
+        speedup=1.0,
+        noise_band=verdict.noise_band,
+        median_us=verdict.baseline_median_us,
+        baseline_us=verdict.baseline_median_us,
+        evidence=run,
+    )
+
+
+def _point_entry(
+    result: SearchResult,
+    config: KernelConfig,
+    status: EntryStatus,
+    *,
+    routing_class: str,
+    fingerprint_hash: str | None,
+    device_name: str | None,
+    speedup: float | None,
+    noise_band: float | None,
+    median_us: float | None,
+    baseline_us: float | None,
+    evidence: str | None,
+) -> Entry:
     s = result.shape
     return Entry(
         op=s.op,
@@ -96,15 +172,15 @@ def verified_entry(
         dims=s.dims(),
         tokens=s.tokens,
         routing_class=routing_class,
-        config=result.winner.model_dump(),
-        config_hash=result.winner.hash,
+        config=config.model_dump(),
+        config_hash=config.hash,
         fingerprint_hash=fingerprint_hash,
         device_name=device_name,
-        status="verified",
+        status=status,
         source="tune",
-        speedup=verdict.speedup,
-        noise_band=verdict.noise_band,
-        median_us=verdict.winner_median_us,
-        baseline_us=verdict.baseline_median_us,
+        speedup=speedup,
+        noise_band=noise_band,
+        median_us=median_us,
+        baseline_us=baseline_us,
         evidence=evidence,
     )
