@@ -15,25 +15,12 @@ from mxdb.audit import CHECKS, audit_paths
 from mxdb.evidence.files import dumps
 from mxdb.evidence.peers import TARGETS, judge
 from mxdb.evidence.writer import write_manifest
+from mxdb.fingerprint import H200
 
 REPO = Path(__file__).resolve().parent.parent
 COMMITTED = REPO / "evidence" / "h200-peers"
 
-FP = {
-    "vendor": "nvidia",
-    "device_name": "NVIDIA H200",
-    "arch": "sm_90",
-    "sm_count": 132,
-    "smem_per_block": 232448,
-    "warp_size": 32,
-    "driver": "580.0",
-    "toolkit": "cuda-13.0",
-    "torch": "2.11.0",
-    "triton": "3.6.0",
-    "flag_gems": "5.0.2",
-    "kernel_source_hash": "0123456789abcdef",
-    "mxdb": "0.1.0",
-}
+FP = dict(H200)  # the recorded H200 host (mxdb.fingerprint)
 
 
 def _gemm(bm: int, bn: int, bk: int, g: int, st: int) -> dict[str, int]:
