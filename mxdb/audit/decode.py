@@ -11,19 +11,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
+from mxdb.audit.findings import FindingSink
 from mxdb.evidence import stats
 from mxdb.evidence.decode import STOCK, case_claims, model_claims
 from mxdb.evidence.thresholds import THRESHOLDS
-
-
-class _Sink(Protocol):
-    fp_hash: str | None
-
-    def add(
-        self, check: str, file: str, field: str, expected: Any, found: Any, msg: str
-    ) -> None: ...
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -36,7 +29,7 @@ def _same(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def check_decode(sink: _Sink, rel: str, doc: Mapping[str, Any]) -> None:
+def check_decode(sink: FindingSink, rel: str, doc: Mapping[str, Any]) -> None:
     """Add a finding for every claim of ``doc`` that its raw figures do not support."""
     if sink.fp_hash is not None and doc["fingerprint_hash"] != sink.fp_hash:
         sink.add(

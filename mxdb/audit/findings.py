@@ -4,9 +4,20 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from mxdb.evidence import stats
+
+
+class FindingSink(Protocol):
+    """Where an audit module's checks put their findings (the bundle auditor)."""
+
+    #: the bundle's environment fingerprint hash, once known
+    fp_hash: str | None
+
+    def add(self, check: str, file: str, field: str, expected: Any, found: Any, msg: str) -> None:
+        """Record one finding."""
+
 
 #: Every check code the audit emits, with its meaning (stable: tests and CI key on them).
 CHECKS: dict[str, str] = {

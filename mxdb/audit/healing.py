@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
+from mxdb.audit.findings import FindingSink
 from mxdb.configs import config_hash
 from mxdb.errors import MxdbError
 from mxdb.evidence import stats
@@ -35,11 +36,6 @@ _CALL_CLAIMS = (
 )
 
 
-class _Sink(Protocol):
-    def add(self, check: str, file: str, field: str, expected: Any, found: Any, msg: str) -> None:
-        """Record one finding."""
-
-
 def _close(a: Any, b: Any) -> bool:
     if a is None or b is None:
         return a is b
@@ -49,7 +45,7 @@ def _close(a: Any, b: Any) -> bool:
 
 
 def check_healing(
-    sink: _Sink, rel: str, doc: Mapping[str, Any], fingerprint_hash: str | None
+    sink: FindingSink, rel: str, doc: Mapping[str, Any], fingerprint_hash: str | None
 ) -> None:
     """Audit one schema-valid ``mxdb.self-healing`` document; findings go to ``sink.add``."""
     fp_hash = Fingerprint(**doc["fingerprint"]).hash
@@ -70,7 +66,7 @@ def check_healing(
     _check_claims(sink, rel, doc["claims"], healing_figures(doc))
 
 
-def _check_calibration(sink: _Sink, rel: str, doc: Mapping[str, Any]) -> None:
+def _check_calibration(sink: FindingSink, rel: str, doc: Mapping[str, Any]) -> None:
     labels = [r["label"] for r in doc["calibration"]]
     if labels != list(doc["setup"]["candidates"]):
         sink.add(
@@ -129,7 +125,7 @@ def _check_calibration(sink: _Sink, rel: str, doc: Mapping[str, Any]) -> None:
         )
 
 
-def _check_streams(sink: _Sink, rel: str, doc: Mapping[str, Any]) -> bool:
+def _check_streams(sink: FindingSink, rel: str, doc: Mapping[str, Any]) -> bool:
     ok = True
     setup = doc["setup"]
     modes = [s["mode"] for s in doc["streams"]]
@@ -250,7 +246,9 @@ def _check_streams(sink: _Sink, rel: str, doc: Mapping[str, Any]) -> bool:
     return ok
 
 
-def _check_claims(sink: _Sink, rel: str, claims: Mapping[str, Any], rec: Mapping[str, Any]) -> None:
+def _check_claims(
+    sink: FindingSink, rel: str, claims: Mapping[str, Any], rec: Mapping[str, Any]
+) -> None:
     def diff(check: str, field: str, want: Any, got: Any, msg: str) -> None:
         if not _close(want, got):
             sink.add(check, rel, f"claims.{field}", want, got, msg)

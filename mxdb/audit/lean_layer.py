@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mxdb.audit.peers import Path_, _Sink, check_targets, compare_claims
+from mxdb.audit.findings import FindingSink
+from mxdb.audit.peers import Path_, check_targets, compare_claims
 from mxdb.configs import config_hash
 from mxdb.evidence import stats
 from mxdb.evidence.lean_layer import DECODE_MAX_TOKENS, SERIES, TARGETS, build_lean_layer
@@ -41,7 +42,7 @@ def _code(path: Path_) -> str:
     return "lean_layer.field_mismatch"
 
 
-def _point_problems(sink: _Sink, rel: str, i: int, p: Mapping[str, Any]) -> bool:
+def _point_problems(sink: FindingSink, rel: str, i: int, p: Mapping[str, Any]) -> bool:
     where = f"points[{i}]"
     bad = False
     for name in SERIES:
@@ -118,7 +119,7 @@ def _point_problems(sink: _Sink, rel: str, i: int, p: Mapping[str, Any]) -> bool
 
 
 def check_lean_layer(
-    sink: _Sink, rel: str, doc: Mapping[str, Any], tol: tuple[float, float]
+    sink: FindingSink, rel: str, doc: Mapping[str, Any], tol: tuple[float, float]
 ) -> None:
     """Audit one ``lean_layer.json``: samples, inputs, figures and targets."""
     if sink.fp_hash is not None and doc["fingerprint_hash"] != sink.fp_hash:

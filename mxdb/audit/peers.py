@@ -15,8 +15,9 @@ lean-layer audit uses: :func:`compare_claims` and :func:`check_targets`.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Protocol
+from typing import Any
 
+from mxdb.audit.findings import FindingSink
 from mxdb.evidence.peers import (
     DECODE_MAX_TOKENS,
     ENTRY_REASONS,
@@ -33,13 +34,6 @@ from mxdb.shapes import preset_shape
 Path_ = tuple[str | int, ...]
 
 
-class _Sink(Protocol):
-    fp_hash: str | None
-
-    def add(self, check: str, file: str, field: str, expected: Any, found: Any, msg: str) -> None:
-        """Record one finding."""
-
-
 def _same(a: Any, b: Any, rel: float, abs_: float) -> bool:
     from mxdb.audit.checks import _same as same
 
@@ -54,7 +48,7 @@ def _dotted(path: Path_) -> str:
 
 
 def compare_claims(
-    sink: _Sink,
+    sink: FindingSink,
     rel: str,
     claimed: Any,
     recomputed: Any,
@@ -98,7 +92,7 @@ def compare_claims(
 
 
 def check_targets(
-    sink: _Sink,
+    sink: FindingSink,
     rel: str,
     prefix: str,
     claimed: Sequence[Mapping[str, Any]],
@@ -220,7 +214,7 @@ def _peers_code(path: Path_) -> str:
 
 
 def _point_problems(
-    sink: _Sink,
+    sink: FindingSink,
     rel: str,
     i: int,
     p: Mapping[str, Any],
@@ -302,7 +296,7 @@ def _point_problems(
 
 
 def check_peers(
-    sink: _Sink,
+    sink: FindingSink,
     rel: str,
     doc: Mapping[str, Any],
     runs: Mapping[str, Mapping[str, Any]],

@@ -14,10 +14,11 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 from pydantic import ValidationError
 
+from mxdb.audit.findings import FindingSink
 from mxdb.errors import MxdbError
 from mxdb.evidence.survey import (
     COMPILE_KEY,
@@ -38,14 +39,6 @@ MAX_ROW_FINDINGS = 20
 _PROFILE_FACTS = ("device_name", "arch", "sm_count", "smem_per_block", "warp_size")
 #: Claim fields that count rows (``survey.count_mismatch``); the rest are proxy figures.
 _COUNT_FIELDS = ("grid_configs", "distinct_compiles", "by_status", "distinct_by_status", "failures")
-
-
-class _Sink(Protocol):
-    fp_hash: str | None
-
-    def add(
-        self, check: str, file: str, field: str, expected: Any, found: Any, msg: str
-    ) -> None: ...
 
 
 def _same(a: Any, b: Any) -> bool:
@@ -70,7 +63,7 @@ def _leaves(prefix: str, x: Any) -> dict[str, Any]:
 class _Limited:
     """Per-check finding counter: detail for the first few rows, a count for the rest."""
 
-    def __init__(self, sink: _Sink, file: str) -> None:
+    def __init__(self, sink: FindingSink, file: str) -> None:
         self.sink = sink
         self.file = file
         self.counts: dict[str, int] = {}
@@ -94,7 +87,7 @@ class _Limited:
                 )
 
 
-def check_survey(sink: _Sink, rel: str, doc: Mapping[str, Any]) -> None:
+def check_survey(sink: FindingSink, rel: str, doc: Mapping[str, Any]) -> None:
     """Audit one schema-valid ``mxdb.compile-survey`` document; findings go to ``sink.add``."""
     lim = _Limited(sink, rel)
     fp = doc["fingerprint"]

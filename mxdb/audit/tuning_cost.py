@@ -30,8 +30,9 @@ import hashlib
 import json
 import math
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
+from mxdb.audit.findings import FindingSink
 from mxdb.configs import config_hash
 from mxdb.evidence import stats
 
@@ -44,11 +45,6 @@ TARGET_QUALITY = 1.01
 TARGET_GPU_FRACTION = 0.10
 REL_TOL = 1e-9
 EXHAUSTIVE_LABELS = ("exhaustive_gemm1", "exhaustive_gemm2", "exhaustive_combined")
-
-
-class _Sink(Protocol):
-    def add(self, check: str, file: str, field: str, expected: Any, found: Any, msg: str) -> None:
-        """Record one finding."""
 
 
 def _samples(run: Mapping[str, Any] | None) -> list[float]:
@@ -186,7 +182,7 @@ def _close(a: Any, b: Any) -> bool:
 
 
 def check_tuning_cost(
-    sink: _Sink,
+    sink: FindingSink,
     doc: Mapping[str, Any],
     contents: Mapping[str, bytes],
     runs: Mapping[str, Mapping[str, Any]],
