@@ -105,9 +105,12 @@ class Metered(_Forwarding):
         reps: int,
         seed: int,
         method: str = "graph",
+        order_seed: int | None = None,
     ) -> list[Timing]:
         t0, g0 = time.monotonic(), self._gpu_now()
-        out = self.inner.time(shape, topk_ids, configs, reps=reps, seed=seed, method=method)
+        out = self.inner.time(
+            shape, topk_ids, configs, reps=reps, seed=seed, method=method, order_seed=order_seed
+        )
         self._spend(t0, g0)
         return out
 
@@ -294,9 +297,12 @@ class _GpuMeter(_Forwarding):
         reps: int,
         seed: int,
         method: str = "graph",
+        order_seed: int | None = None,
     ) -> list[Timing]:
         t0 = self._now()
-        out = self.inner.time(shape, topk_ids, configs, reps=reps, seed=seed, method=method)
+        out = self.inner.time(
+            shape, topk_ids, configs, reps=reps, seed=seed, method=method, order_seed=order_seed
+        )
         self.wall.append(self._now() - t0)
         calls = getattr(self.inner, "calls_per_sample", 1)
         self.sampled_s += sum(sum(t.samples_us) for t in out) * calls * 1e-6

@@ -217,6 +217,7 @@ class SweepReplay:
         reps: int,
         seed: int,
         method: str = "graph",
+        order_seed: int | None = None,
     ) -> list[Timing]:
         c = self.counters
         c.time_calls += 1

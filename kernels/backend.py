@@ -154,6 +154,7 @@ class GpuBackend:
         reps: int,
         seed: int,
         method: str = "graph",
+        order_seed: int | None = None,
     ) -> list[Timing]:
         w1, w2, x, tw, ids, ref = self._inputs(shape, topk_ids, seed)
         results: list[Timing | None] = [None] * len(configs)
@@ -186,6 +187,7 @@ class GpuBackend:
                 method=method,
                 calls_per_sample=self.calls_per_sample,
                 warmup=self.warmup,
+                order_seed=order_seed,
             )
             for j, s in zip(live, samples, strict=True):
                 results[j] = Timing("ok", tuple(s), None)

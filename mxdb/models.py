@@ -111,6 +111,17 @@ class Entry(BaseModel):
     baseline_us: float | None = None
     evidence: str | None = None
     stale_reason: str | None = None
+    confidence: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="the measured fraction of held-out routing instances this config won",
+    )
+    validation: list[dict[str, Any]] | None = Field(
+        default=None,
+        description="held-out comparisons behind the entry: routing instances of its class and "
+        "neighbouring token counts, each with its verdict (mxdb.verdict)",
+    )
     created_at: datetime = Field(default_factory=utcnow)
 
 
@@ -144,4 +155,15 @@ class Measurement(BaseModel):
     rel_err: float | None = None
     timing_method: str | None = None
     fingerprint_hash: str | None = None
+    point: str | None = Field(default=None, description="the tuning point it belongs to")
+    comparison: str | None = Field(
+        default=None,
+        description="the interleaved comparison it was timed in: replay, heldout-N or tokens-M",
+    )
+    margin: float | None = Field(
+        default=None, ge=0, description="the verdict margin the comparison was judged with"
+    )
+    order_seed: int | None = Field(
+        default=None, description="seed of the comparison's randomized order per round"
+    )
     created_at: datetime = Field(default_factory=utcnow)

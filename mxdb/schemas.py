@@ -27,11 +27,11 @@ DIALECT = "https://json-schema.org/draft/2020-12/schema"
 REGISTRY: dict[str, tuple[str, str, str]] = {
     "workload": ("mxdb.tune.workload:Workload", "1.1", "validation"),
     "trace": ("mxdb.evidence.models:TraceDoc", "1.0", "serialization"),
-    "run": ("mxdb.evidence.models:RunRecord", "1.0", "serialization"),
+    "run": ("mxdb.evidence.models:RunRecord", "1.1", "serialization"),
     "manifest": ("mxdb.evidence.models:Manifest", "1.0", "serialization"),
     "fingerprint": ("mxdb.evidence.models:FingerprintDoc", "1.0", "serialization"),
     "signature": ("mxdb.evidence.models:SignatureDoc", "1.0", "serialization"),
-    "summary": ("mxdb.evidence.models:Summary", "1.0", "serialization"),
+    "summary": ("mxdb.evidence.models:Summary", "1.1", "serialization"),
     "report": ("mxdb.evidence.models:Report", "1.0", "serialization"),
     "store-export": ("mxdb.interop.export:StoreExport", "1.1", "serialization"),
     "compile-survey": ("mxdb.evidence.survey:CompileSurvey", "1.0", "serialization"),
@@ -136,10 +136,16 @@ def check_all(root: Path | None = None) -> tuple[list[str], list[str]]:
 
 
 @functools.cache
-def load_schema(name: str) -> dict[str, Any] | None:
-    """The schema the auditor uses: the committed file if present, else generated."""
-    _, version, _ = REGISTRY[name]
-    path = schema_path(name, version)
+def load_schema(name: str, version: str | None = None) -> dict[str, Any] | None:
+    """The schema the auditor uses for ``version`` (default: the current one).
+
+    The committed file of that version if present (an older document is validated against
+    the schema it was written under), else the one generated from the current model.
+    """
+    _, current, _ = REGISTRY[name]
+    path = schema_path(name, version or current)
+    if version is not None and version != current and not path.is_file():
+        path = schema_path(name, current)
     if path.is_file():
         loaded: dict[str, Any] = json.loads(path.read_text())
         return loaded
@@ -147,9 +153,9 @@ def load_schema(name: str) -> dict[str, Any] | None:
 
 
 @functools.cache
-def validator(name: str) -> Any:
+def validator(name: str, version: str | None = None) -> Any:
     """A compiled 2020-12 validator for a registered schema (``None`` when unavailable)."""
-    schema = load_schema(name)
+    schema = load_schema(name, version)
     if schema is None:
         return None
     cls: Any = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)

@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import pytest
 from click.testing import CliRunner
 
 from mxdb import KernelConfig, MoEShape
@@ -45,7 +46,7 @@ def _prefixes(store: Store, job: str) -> dict[str, set[str]]:
     out: dict[str, set[str]] = {}
     for p in _wl().points():
         ms = _job_measurements(store, job, p.shape, p.key)
-        out[p.key] = {m.run_id.rsplit("-", 1)[0] for m in ms if m.role == "baseline"}
+        out[p.key] = {m.point or m.run_id.rsplit("-", 1)[0] for m in ms if m.role == "baseline"}
     return out
 
 
@@ -67,7 +68,10 @@ def test_tune_writes_store_and_audited_bundle(db_url: str, tmp_path: Path) -> No
         verified_groups += summary["counts"]["verified_groups"]
         export = json.loads((Path(b) / "store_export.json").read_text())
         exported += len(export["entries"])
-    assert verified_groups == exported == len(rep.verified)
+    # every verified entry won its replay comparison and each of its 3 held-out ones
+    assert exported == len(rep.verified) + rep.baseline_keys
+    assert verified_groups >= 4 * len(rep.verified)
+    assert all(v["speedup"] > 1.005 for v in rep.verified)
     with Store.open(db_url) as store:
         assert len(store.entries(status="verified", source="tune")) == len(rep.verified)
         fails = [m for m in store.measurements() if m.status != "ok"]
@@ -247,11 +251,12 @@ def test_every_bundle_carries_its_keys_entries_when_routings_share_a_class(
 
 
 def test_points_where_flaggems_wins_are_stored_as_baseline_records(tmp_path: Path) -> None:
-    """When nothing beats FlagGems' choice beyond the noise band, the key is stored as a
+    """When nothing beats FlagGems' choice beyond the noise, the key is stored as a
     ``baseline`` entry (FlagGems' config), so the dispatcher answers FlagGems' choice there."""
+    from mxdb import pointverdict
     from mxdb.dispatcher import Dispatcher
     from mxdb.tune.search import SearchResult
-    from mxdb.tune.verify import Verdict, baseline_record
+    from mxdb.tune.verify import point_entry
 
     shape = MoEShape(128, 2048, 768, 8, 16, "bf16")
     base = KernelConfig.uniform(
@@ -260,32 +265,45 @@ def test_points_where_flaggems_wins_are_stored_as_baseline_records(tmp_path: Pat
     other = KernelConfig.uniform(
         GemmConfig(block_m=32, block_n=64, block_k=64, num_warps=4, num_stages=3)
     )
-    finalist = Measurement(
-        run_id="t-fin01", dtype="bf16", family=shape.family, dims=shape.dims(), tokens=16,
-        routing_class="uniform", config=other.model_dump(), config_hash=other.hash,
-        fidelity="layer", status="ok", samples_us=[100.2, 100.4],
-    )  # fmt: skip
+    rounds = [100.0, 101.0, 100.5, 100.2, 100.8, 100.1, 100.6, 100.3]
+
+    def m(rid: str, cfg: KernelConfig, role: str, samples: list[float]) -> Measurement:
+        return Measurement(
+            run_id=rid, dtype="bf16", family=shape.family, dims=shape.dims(), tokens=16,
+            routing_class="uniform", config=cfg.model_dump(), config_hash=cfg.hash,
+            fidelity="layer", status="ok", samples_us=samples, role=role,  # type: ignore[arg-type]
+            max_abs_err=1e-3 if role == "candidate" else None,
+            rel_err=1e-4 if role == "candidate" else None, comparison="replay", margin=0.005,
+        )  # fmt: skip
+
+    copies = [
+        m("t-base", base, "baseline", rounds),
+        m("t-ctl-a", base, "control", [x * 1.001 for x in rounds]),
+        m("t-ctl-b", base, "control", [x * 0.999 for x in rounds]),
+    ]
+    finalist = m("t-fin01", other, "candidate", [x * 0.999 for x in rounds])
     result = SearchResult(
-        shape=shape, measurements=[finalist], baseline=base, winner=None, winner_samples=[],
-        baseline_samples=[100.0, 101.0], control_samples=([100.0], [100.5]), correctness=None,
+        shape=shape, measurements=[*copies, finalist], baseline=base, winner=None,
+        winner_samples=[], baseline_samples=rounds, control_samples=([], []), correctness=None,
         budget_exhausted=False, spent_s=1.0,
     )  # fmt: skip
-    within = Verdict(False, "within the band", 1.003, 0.005, 99.7, 100.5)
+
+    def decide(ms: list[Measurement]) -> pointverdict.PointDecision:
+        return pointverdict.decide([pointverdict.arm_from_measurement(x) for x in ms])
+
     # a budget that ran out before any finalist was timed compared nothing: no record
-    nothing = replace(result, measurements=[])
-    assert baseline_record(nothing, within, routing_class="uniform", fingerprint_hash=None,
-                           device_name=None) is None  # fmt: skip
-    entry = baseline_record(
+    nothing = decide(copies)
+    assert nothing.status == "none"
+    assert point_entry(replace(result, measurements=copies), nothing, routing_class="uniform",
+                       fingerprint_hash=None, device_name=None) is None  # fmt: skip
+    within = decide([*copies, finalist])
+    assert within.status == "baseline", within.reason
+    entry = point_entry(
         result, within, routing_class="uniform", fingerprint_hash="f" * 16, device_name="X"
     )
     assert entry is not None and entry.status == "baseline" and entry.config_hash == base.hash
-    assert entry.median_us == entry.baseline_us == 100.5 and entry.noise_band == 0.005
-    verified = Verdict(True, "beats it", 1.2, 0.005, 80.0, 100.5)
-    assert baseline_record(result, verified, routing_class="uniform", fingerprint_hash=None,
-                           device_name=None) is None  # fmt: skip
-    no_band = Verdict(False, "no control pair", 1.01, None, 99.0, 100.5)
-    assert baseline_record(result, no_band, routing_class="uniform", fingerprint_hash=None,
-                           device_name=None) is None  # fmt: skip
+    assert entry.median_us == entry.baseline_us == pytest.approx(100.4)
+    assert entry.evidence == "t-base"
     be = FakeBackend()
     url = f"sqlite:///{tmp_path / 'b.sqlite'}"
     with Store.open(url) as store:

@@ -35,6 +35,13 @@ from mxdb.evidence.files import (
     trace_hash,
     unsafe_reason,
 )
+from mxdb.audit.store_export import (
+    check_shipped_export,
+    check_store_export,
+    decisions,
+    resolve_deferred,
+    shipped_exports,
+)
 from mxdb.evidence.models import KNOWN_VERSIONS
 from mxdb.evidence.summary import group_key, run_passes, summarize
 from mxdb.evidence.thresholds import THRESHOLDS
@@ -109,6 +116,10 @@ class _BundleAudit:
         self.fp_hash: str | None = None
         self.fp_components: dict[str, Any] | None = None
         self.n_runs = 0
+        self.backed: list[dict[str, Any]] = []
+        self.deferred: list[tuple[str, str, dict[str, Any]]] = []
+        self.backing: list[tuple[str, str, str, float | None, float | None, float | None]] = []
+        self.decode: list[tuple[Any, ...]] = []
 
     def add(self, check: str, file: str, field: str, expected: Any, found: Any, msg: str) -> None:
         self.findings.append(
@@ -154,10 +165,10 @@ class _BundleAudit:
             )
             return None
         name_ = DOCUMENT_NAMES[expect]
-        fast = _fast_validator(name_)
+        fast = _fast_validator(name_, str(version))
         if fast is not None and fast(doc):
             return doc
-        val = validator(name_)
+        val = validator(name_, str(version))
         if val is not None and not val.is_valid(doc):
             errors = sorted(val.iter_errors(doc), key=lambda e: list(e.absolute_path))
             for err in errors[: self.opt.max_schema_errors]:
@@ -292,6 +303,18 @@ class _BundleAudit:
 
     def semantics(self, contents: dict[str, bytes]) -> None:
         fp_doc = None
+        if "fingerprint.json" not in contents and any(
+            k.startswith("runs/") or k == "store_export.json" for k in contents
+        ):
+            # without it the one-fingerprint checks would have nothing to compare with
+            self.add(
+                "fingerprint.missing",
+                "fingerprint.json",
+                "",
+                "the bundle's environment fingerprint",
+                "no file",
+                "a bundle with runs or a store export must record its fingerprint",
+            )
         if "fingerprint.json" in contents:
             fp_doc = self.parse(
                 "fingerprint.json", contents["fingerprint.json"], "mxdb.fingerprint"
@@ -322,6 +345,14 @@ class _BundleAudit:
                 from mxdb.audit.decode import check_decode
 
                 check_decode(self, "decode.json", decode)
+                for c in decode["cases"]:
+                    claims = c.get("claims") or {}
+                    if claims.get("winner"):
+                        dims = tuple(sorted({**c["dims"], "tokens": c["tokens"]}.items()))
+                        self.decode.append(
+                            (c["op"], c["dtype"], dims, claims["winner"],
+                             claims.get("speedup"), claims.get("noise_band"))
+                        )  # fmt: skip
 
         if "self_healing.json" in contents:
             doc = self.parse(
@@ -403,12 +434,23 @@ class _BundleAudit:
             report = self.parse("report/report.json", contents["report/report.json"], "mxdb.report")
             if report is not None:
                 self.compare("report", "report/report.json", "", report, build_report(recomputed))
+        if "store_export.json" not in contents and decisions(runs):
+            self.add(
+                "store_export.missing",
+                "store_export.json",
+                "",
+                "the store export of the bundle's tuning decisions",
+                "no file",
+                "a tuning bundle whose points decided entries has no store export",
+            )
         if "store_export.json" in contents:
             export = self.parse(
                 "store_export.json", contents["store_export.json"], "mxdb.store-export"
             )
             if export is not None:
-                self.check_store_export(export, recomputed)
+                check_store_export(
+                    self, export, recomputed, runs, (self.opt.rel_tol, self.opt.abs_tol)
+                )
 
     # -- checks ------------------------------------------------------------------------
 
@@ -772,7 +814,7 @@ class _BundleAudit:
             best = runs.get(g["best_run"]) if g["best_run"] else None
             base = runs.get(g["baseline_run"]) if g["baseline_run"] else None
             if best is not None and (
-                best["role"] != "candidate"
+                best["role"] not in ("candidate", "peer")
                 or (base is not None and best["config_hash"] == base["config_hash"])
             ):
                 self.add(
@@ -871,73 +913,12 @@ class _BundleAudit:
                 "groups are not in their canonical order",
             )
 
-    def check_store_export(self, export: dict[str, Any], summary: dict[str, Any]) -> None:
-        f = "store_export.json"
-        by_key: dict[tuple[Any, ...], list[tuple[int, dict[str, Any]]]] = defaultdict(list)
-        for i, e in enumerate(export.get("entries", [])):
-            h = config_hash(e["config"])
-            if h != e["config_hash"]:
-                self.add(
-                    "store_export.hash_mismatch",
-                    f,
-                    f"entries[{i}].config_hash",
-                    h,
-                    e["config_hash"],
-                    "entry's config_hash is not the hash of its config",
-                )
-            key = (
-                e.get("op"),
-                e.get("dtype"),
-                e.get("family"),
-                e.get("tokens"),
-                e.get("routing_class"),
-            )
-            by_key[key].append((i, e))
-        for g in summary["groups"]:
-            if not g["verified"]:
-                continue
-            key = (g["op"], g["dtype"], g["family"], g["tokens"], g["routing_class"])
-            entries = by_key.get(key, [])
-            want = g["best_config_hash"]
-            if not entries:
-                self.add(
-                    "store_export.missing_config",
-                    f,
-                    "entries",
-                    f"an entry for {g['key']} with config_hash {want}",
-                    "none",
-                    "a verified config is absent from the store export",
-                )
-            elif not any(e["config_hash"] == want for _, e in entries):
-                i, e = entries[0]
-                self.add(
-                    "store_export.hash_mismatch",
-                    f,
-                    f"entries[{i}].config_hash",
-                    want,
-                    e["config_hash"],
-                    f"the exported config for {g['key']} is not the verified one",
-                )
-            elif self.fp_hash is not None and not any(
-                e["config_hash"] == want and e.get("fingerprint_hash") == self.fp_hash
-                for _, e in entries
-            ):
-                i, e = entries[0]
-                self.add(
-                    "store_export.hash_mismatch",
-                    f,
-                    f"entries[{i}].fingerprint_hash",
-                    self.fp_hash,
-                    e.get("fingerprint_hash"),
-                    "exported entry carries another environment fingerprint",
-                )
-
 
 @functools.cache
-def _fast_validator(name: str) -> Callable[[Any], bool] | None:
+def _fast_validator(name: str, version: str | None = None) -> Callable[[Any], bool] | None:
     from mxdb.schemas import load_schema
 
-    schema = load_schema(name)
+    schema = load_schema(name, version)
     return compile_schema(schema) if schema is not None else None
 
 
@@ -977,6 +958,10 @@ def audit_bundle(root: Path, options: AuditOptions | None = None) -> BundleResul
         fingerprint_hash=audit.fp_hash,
         runs=audit.n_runs,
         findings=tuple(audit.findings),
+        backed=tuple(audit.backed),
+        deferred=tuple((f"{audit.label}/{f}", fld, e) for f, fld, e in audit.deferred),
+        backing=tuple(audit.backing),
+        decode=tuple(audit.decode),
     )
 
 
@@ -1015,6 +1000,12 @@ def audit_paths(
             if progress is not None:
                 progress(res)
     findings.extend(_cross_bundle(results))
+    resolved: list[dict[str, Any]] = []
+    findings.extend(resolve_deferred(results, resolved))
+    for p in paths:
+        p = Path(p)
+        for f in shipped_exports(p):
+            findings.extend(check_shipped_export(f, results, resolved))
     return AuditResult(bundles=tuple(results), findings=tuple(findings))
 
 

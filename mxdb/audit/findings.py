@@ -77,6 +77,13 @@ CHECKS: dict[str, str] = {
     "summary.failures_mismatch": "the listed failures differ from the runs' failures",
     "summary.floor_mismatch": "a memory-floor figure differs from the recomputed one",
     "summary.field_mismatch": "another summary field differs from its recomputation",
+    "store_export.missing": "a tuning bundle whose points decided entries has no store export",
+    "store_export.unbacked_entry": "an exported entry that no runs of its bundle support",
+    "store_export.field_mismatch": "an exported entry's status, key or figure differs from its runs",
+    "store_export.status_invalid": "an exported tune entry with a status a tune never writes",
+    "fingerprint.missing": "a bundle with runs or a store export has no fingerprint.json",
+    "shipped_export.unbacked_entry": "an entry of a shipped store export found in no bundle",
+    "shipped_export.field_mismatch": "a shipped entry differs from the bundle entry it came from",
     "report.speedup_mismatch": "a report's speedup differs from the recomputed one",
     "report.noise_band_mismatch": "a report's noise band differs from the recomputed one",
     "report.median_mismatch": "a report's median differs from the recomputed one",
@@ -88,7 +95,7 @@ CHECKS: dict[str, str] = {
     "report.group_missing": "a report lacks a row for a comparison group",
     "report.group_extra": "a report has a row no run supports",
     "report.field_mismatch": "another report field differs from its recomputation",
-    "store_export.missing_config": "a verified config is not in the bundle's store export",
+    "store_export.missing_config": "a decision (verified or baseline) is not in the store export",
     "store_export.hash_mismatch": "a store-export entry's config hash differs from the evidence",
     "survey.fingerprint_mismatch": "a compile survey's environment is not its fingerprint",
     "survey.profile_invalid": "a compile survey's device profile or shape cannot be read",
@@ -199,6 +206,16 @@ class BundleResult:
     fingerprint_hash: str | None
     runs: int
     findings: tuple[Finding, ...]
+    #: store-export entries this bundle's runs back, for the cross-bundle checks
+    backed: tuple[dict[str, Any], ...] = ()
+    #: entries whose evidence run is not in this bundle: (file, field, entry), resolved
+    #: against the other bundles of the same audit
+    deferred: tuple[tuple[str, str, dict[str, Any]], ...] = ()
+    #: run ids that back an entry (best of a verified group, baseline of an unverified one),
+    #: with the config hash they back
+    backing: tuple[tuple[str, str, str, float | None, float | None, float | None], ...] = ()
+    #: decode-op decisions (op, dtype, family, tokens, impl, speedup, noise band)
+    decode: tuple[tuple[Any, ...], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {

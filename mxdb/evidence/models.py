@@ -30,8 +30,8 @@ KNOWN_VERSIONS: dict[str, tuple[str, ...]] = {
     "mxdb.manifest": ("1.0",),
     "mxdb.fingerprint": ("1.0",),
     "mxdb.trace": ("1.0",),
-    "mxdb.run": ("1.0",),
-    "mxdb.summary": ("1.0",),
+    "mxdb.run": ("1.0", "1.1"),
+    "mxdb.summary": ("1.0", "1.1"),
     "mxdb.report": ("1.0",),
     "mxdb.signature": ("1.0",),
     "mxdb.store-export": ("1.0", "1.1"),
@@ -168,7 +168,7 @@ class RunRecord(_Doc):
     """``runs/<run_id>.json``: one measured or failed candidate; failures are results too."""
 
     schema_name: Literal["mxdb.run"] = Field(default="mxdb.run", alias="schema")
-    schema_version: Literal["1.0"] = "1.0"
+    schema_version: Literal["1.0", "1.1"] = "1.1"
     run_id: str = Field(pattern=_ID)
     milestone: str = Field(min_length=1)
     op: Literal["fused_moe"] = "fused_moe"
@@ -192,6 +192,18 @@ class RunRecord(_Doc):
     )
     fingerprint: Fingerprint
     fingerprint_hash: str = Field(pattern=_HEX16)
+    point: str | None = Field(
+        default=None,
+        description="the tuning point this run belongs to (run schema 1.1); with it, the run's "
+        "comparison group is (point, comparison), judged by mxdb.verdict",
+    )
+    comparison: str | None = Field(
+        default=None, description="replay, heldout-N or tokens-M (mxdb.pointverdict)"
+    )
+    margin: float | None = Field(default=None, ge=0, description="the verdict's margin")
+    order_seed: int | None = Field(
+        default=None, description="seed of the randomized order of the comparison's rounds"
+    )
 
 
 class GroupSummary(_Doc):
@@ -219,6 +231,12 @@ class GroupSummary(_Doc):
     floor_fraction: float | None = Field(
         description="memory-bound floor time / the best (else baseline) median"
     )
+    speedup_low: float | None = Field(
+        default=None, description="lower bound of the speedup's interval (summary 1.1)"
+    )
+    speedup_high: float | None = Field(
+        default=None, description="upper bound of the speedup's interval (summary 1.1)"
+    )
 
 
 class FailureItem(_Doc):
@@ -240,7 +258,7 @@ class Summary(_Doc):
     """``summary.json``: the milestone summary, every figure derived from the runs' raw samples."""
 
     schema_name: Literal["mxdb.summary"] = Field(default="mxdb.summary", alias="schema")
-    schema_version: Literal["1.0"] = "1.0"
+    schema_version: Literal["1.0", "1.1"] = "1.0"
     milestone: str
     fingerprint_hash: str
     bandwidth_bytes_per_s: float | None = Field(
@@ -251,6 +269,11 @@ class Summary(_Doc):
     geomean_verified_speedup: float | None = Field(description="over verified groups")
     counts: Counts
     failures: list[FailureItem]
+    false_verify: dict[str, Any] | None = Field(
+        default=None,
+        description="summary 1.1: A/A comparisons of FlagGems' same-config copies that the "
+        "verdict rule called faster (mxdb.verdict.false_verify_rate)",
+    )
 
 
 class ReportRow(_Doc):

@@ -26,6 +26,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from mxdb import pointverdict, verdict
 from mxdb.evidence import stats
 from mxdb.evidence.models import FAILURE_STATUSES, SCHEMA_VERSION
 from mxdb.evidence.thresholds import THRESHOLDS, passes
@@ -44,7 +45,14 @@ def family_of(shape: Mapping[str, Any]) -> str:
 
 
 def group_key(run: Run) -> str:
-    """The comparison group of a run: ``op/dtype/E..-H..-I..-k../M<tokens>/<routing class>``."""
+    """The comparison group of a run.
+
+    Runs of a tuning point (run schema 1.1, with ``point``): ``<point>/<comparison>``, one
+    interleaved comparison on one routing instance.  Earlier runs:
+    ``op/dtype/E..-H..-I..-k../M<tokens>/<routing class>``.
+    """
+    if run.get("point"):
+        return f"{run['point']}/{run.get('comparison') or 'replay'}"
     s = run["shape"]
     return f"{run['op']}/{s['dtype']}/{family_of(s)}/M{s['tokens']}/{run['routing_class']}"
 
@@ -120,7 +128,10 @@ def _summarize_group(
     speedup = None
     if base_med is not None and best_med is not None:
         speedup = stats.speedup(base_med, best_med)
-    verified = speedup is not None and noise_band is not None and speedup - 1.0 > noise_band
+    verified = verdict.legacy_verified(speedup, noise_band)
+    interval: dict[str, Any] = {}
+    if first.get("point"):
+        best, best_med, speedup, noise_band, verified, interval = _judged(runs, baseline, medians)
 
     floor_us = floor_fraction = None
     traces = sorted({r["trace_hash"] for r in runs if r.get("trace_hash")})
@@ -155,7 +166,44 @@ def _summarize_group(
         "failures": [r["run_id"] for r in runs if r["status"] in FAILURE_STATUSES],
         "floor_us": floor_us,
         "floor_fraction": floor_fraction,
+        **interval,
     }
+
+
+def _judged(
+    runs: list[Run], baseline: Run | None, medians: Mapping[str, float | None]
+) -> tuple[Run | None, float | None, float | None, float | None, bool, dict[str, Any]]:
+    """A comparison of run schema 1.1, judged by the one verdict rule (``mxdb.verdict``)."""
+    empty: dict[str, Any] = {"speedup_low": None, "speedup_high": None}
+    if baseline is None:
+        return None, None, None, None, False, empty
+    arms = [pointverdict.arm_from_run(r, run_passes(r)) for r in runs]
+    _, copies = pointverdict.copies_of(arms)
+    if not copies:
+        return None, None, None, None, False, empty
+    samples = [list(a.samples) for a in copies]
+    best: Run | None = None
+    best_v: verdict.Verdict | None = None
+    for r, a in zip(runs, arms, strict=True):
+        if r["role"] not in ("candidate", "peer") or r["config_hash"] == baseline["config_hash"]:
+            continue
+        if not pointverdict.usable(a):
+            continue
+        v = verdict.compare(samples, a.samples, margin=a.margin)
+        key = (v.faster, v.speedup or 0.0)
+        if best_v is None or key > (best_v.faster, best_v.speedup or 0.0):
+            best, best_v = r, v
+    band = verdict.noise_band(samples)
+    if best is None or best_v is None:
+        return None, None, None, band, False, empty
+    return (
+        best,
+        medians[best["run_id"]],
+        best_v.speedup,
+        best_v.noise_band,
+        best_v.faster,
+        {"speedup_low": best_v.low, "speedup_high": best_v.high},
+    )
 
 
 def summarize(
@@ -178,6 +226,13 @@ def summarize(
         _summarize_group(k, by_group[k], active_experts or {}, bandwidth_bytes_per_s)
         for k in sorted(by_group)
     ]
+    version = "1.1" if any(r.get("point") for r in runs) else SCHEMA_VERSION
+    extra: dict[str, Any] = {}
+    if version != SCHEMA_VERSION:
+        for g in groups:
+            g.setdefault("speedup_low", None)
+            g.setdefault("speedup_high", None)
+        extra["false_verify"] = false_verify(runs, by_group)
     speedups = [g["speedup"] for g in groups if _positive(g["speedup"])]
     verified = [g["speedup"] for g in groups if g["verified"] and _positive(g["speedup"])]
     by_status = dict.fromkeys(MEASUREMENT_STATUSES, 0)
@@ -195,7 +250,7 @@ def summarize(
     )
     return {
         "schema": "mxdb.summary",
-        "schema_version": SCHEMA_VERSION,
+        "schema_version": version,
         "milestone": milestone,
         "fingerprint_hash": fingerprint_hash,
         "bandwidth_bytes_per_s": bandwidth_bytes_per_s,
@@ -211,7 +266,30 @@ def summarize(
             "control_pairs": sum(len(g["control_pairs"]) for g in groups),
         },
         "failures": failures,
+        **extra,
     }
+
+
+def false_verify(runs: Sequence[Run], by_group: Mapping[str, list[Run]]) -> dict[str, Any]:
+    """The verdict rule's false-verify rate on this bundle's own A/A comparisons.
+
+    Every comparison of run schema 1.1 times FlagGems' choice three or more times (the
+    baseline and its controls); each copy in turn plays a candidate against the others
+    (``mxdb.verdict.false_verify_rate``), with the comparison's margin.
+    """
+    hits = total = 0
+    for members in by_group.values():
+        if not members[0].get("point"):
+            continue
+        arms = [pointverdict.arm_from_run(r, None) for r in members]
+        _, copies = pointverdict.copies_of(arms)
+        if len(copies) < 3:
+            continue
+        margin = copies[0].margin
+        h, t = verdict.false_verify_rate([[list(a.samples) for a in copies]], margin=margin)
+        hits += h
+        total += t
+    return {"comparisons": total, "false_verified": hits, "rate": hits / total if total else None}
 
 
 def _positive(x: float | None) -> bool:

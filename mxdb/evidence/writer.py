@@ -173,6 +173,10 @@ class BundleWriter:
         error: str | None = None,
         pair_id: str | None = None,
         fidelity: str = "replay",
+        point: str | None = None,
+        comparison: str | None = None,
+        margin: float | None = None,
+        order_seed: int | None = None,
     ) -> RunRecord:
         """Build a run from raw measurements (figures computed here) and add it."""
         cfg = config.model_dump() if isinstance(config, KernelConfig) else dict(config)
@@ -203,6 +207,10 @@ class BundleWriter:
                 else None,
                 fingerprint=self.fingerprint,
                 fingerprint_hash=self.fingerprint_hash,
+                point=point,
+                comparison=comparison,
+                margin=margin,
+                order_seed=order_seed,
             )
         except ValidationError as exc:
             raise EvidenceError(f"run {run_id!r} is malformed: {exc}") from None
@@ -235,10 +243,10 @@ class BundleWriter:
         c = run.correctness
         if c is not None and c != make_correctness(run.shape.dtype, c.max_abs_err, c.rel_err):
             problems.append("correctness thresholds or verdict differ from the dtype's table")
-        if run.status == "ok" and run.role in ("baseline", "candidate", "control"):
+        if run.status == "ok" and run.role in ("baseline", "candidate", "control", "peer"):
             if run.timing is None:
                 problems.append("status ok needs timing samples")
-            if run.role == "candidate" and (c is None or not c.passed):
+            if run.role in ("candidate", "peer") and (c is None or not c.passed):
                 problems.append("a candidate with status ok must pass correctness")
         if run.role == "control" and not run.pair_id:
             problems.append("a control run needs a pair_id")

@@ -101,6 +101,8 @@ entries = Table(
     Column("baseline_us", Float, nullable=True),
     Column("evidence", Text, nullable=True),
     Column("stale_reason", Text, nullable=True),
+    Column("confidence", Float, nullable=True),
+    Column("validation", Text, nullable=True),
     Column("created_at", UTCDateTime, nullable=False),
 )
 # The dispatcher's lookup of a family: a covering index (no config text), revision 0003.
@@ -161,6 +163,10 @@ measurements = Table(
     Column("rel_err", Float, nullable=True),
     Column("timing_method", String(64), nullable=True),
     Column("fingerprint_hash", String(64), nullable=True),
+    Column("point", String(128), nullable=True),
+    Column("comparison", String(64), nullable=True),
+    Column("margin", Float, nullable=True),
+    Column("order_seed", BigInteger, nullable=True),
     Column("created_at", UTCDateTime, nullable=False),
 )
 Index(

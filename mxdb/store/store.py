@@ -104,6 +104,7 @@ def _entry_values(entry: Entry) -> dict[str, Any]:
     data = entry.model_dump(exclude={"id"})
     data["dims"] = _dumps(data["dims"])
     data["config"] = _dumps(data["config"])
+    data["validation"] = None if data["validation"] is None else _dumps(data["validation"])
     return data
 
 
@@ -111,6 +112,8 @@ def _entry_from_row(row: Any) -> Entry:
     data = dict(row._mapping)
     data["dims"] = json.loads(data["dims"])
     data["config"] = json.loads(data["config"])
+    if data.get("validation") is not None:
+        data["validation"] = json.loads(data["validation"])
     return Entry.model_validate(data)
 
 

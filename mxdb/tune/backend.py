@@ -87,11 +87,15 @@ class Backend(Protocol):
         reps: int,
         seed: int,
         method: str = "graph",
+        order_seed: int | None = None,
     ) -> list[Timing]:
-        """Time every config on the same inputs and routing, interleaved A B C A B C ...
+        """Time every config on the same inputs and routing, interleaved in rounds.
 
-        ``configs`` may repeat (a same-config control pair).  ``method`` is "graph" (CUDA-graph
-        replay of the whole layer) or "eager".  One Timing per config, in order.
+        Each of the ``reps`` rounds times every config once; sample ``r`` of every config
+        belongs to round ``r``.  With ``order_seed`` the order within each round is a random
+        permutation drawn from it (a fixed order biases the comparison); without it, the order
+        given.  ``configs`` may repeat (same-config copies).  ``method`` is "graph" (CUDA-graph
+        replay of the whole layer) or "eager".  One Timing per config, in the order given.
         """
         ...
 

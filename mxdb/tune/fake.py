@@ -106,9 +106,16 @@ class FakeBackend:
         overhead_s: float = OVERHEAD_S,
         calls_per_sample: int = 1,
         compile_startup_s: float = 0.0,
+        round_drift: float = 0.0,
+        position_bias: float = 0.0,
     ) -> None:
         self.seed = seed
         self.noise = noise
+        # a log-normal factor shared by every config of one round (clock and load drift that
+        # the paired verdict cancels), and a slowdown per position within a round (what a
+        # fixed interleaving order turns into a bias; a random order per round spreads it)
+        self.round_drift = round_drift
+        self.position_bias = position_bias
         self.wrong = frozenset(wrong)
         self.timeouts = frozenset(timeouts)
         self.compile_errors = frozenset(compile_errors)
@@ -183,6 +190,7 @@ class FakeBackend:
         reps: int,
         seed: int,
         method: str = "graph",
+        order_seed: int | None = None,
     ) -> list[Timing]:
         if self.sleep_per_time_call_s:
             _time.sleep(self.sleep_per_time_call_s)
@@ -203,6 +211,14 @@ class FakeBackend:
             out.append(Timing(status="ok", samples_us=(), error=None))
         # interleaved A B C A B C ...: one noise draw per (rep, config)
         draws = rng.lognormal(mean=0.0, sigma=self.noise, size=(reps, len(configs)))
+        if self.round_drift:
+            draws *= rng.lognormal(mean=0.0, sigma=self.round_drift, size=(reps, 1))
+        if self.position_bias:
+            orng = np.random.default_rng(order_seed) if order_seed is not None else None
+            for r in range(reps):
+                order = orng.permutation(len(configs)) if orng is not None else range(len(configs))
+                for pos, j in enumerate(order):
+                    draws[r, j] *= 1.0 + self.position_bias * pos
         final: list[Timing] = []
         for j, (t, truth) in enumerate(zip(out, truths, strict=True)):
             if truth is None:

@@ -29,15 +29,15 @@ from typing import Any
 
 from mxdb.configs import KernelConfig
 from mxdb.errors import MxdbError, UsageError
-from mxdb.evidence import stats
+from mxdb import pointverdict, verdict
 from mxdb.models import Entry, Fingerprint, Measurement
 from mxdb.shapes import MoEShape
 from mxdb.store import Claim, Store
 from mxdb.tune.backend import Backend
 from mxdb.tune.search import PointInput, RoutingInput, SearchResult, search
 from mxdb.tune.space import SearchSpace, peer_seeds
-from mxdb.tune.traces import Trace, point_traces
-from mxdb.tune.verify import Verdict, baseline_record, judge, verified_entry
+from mxdb.tune.traces import Trace, heldout_traces, neighbour_traces, point_traces
+from mxdb.tune.verify import point_entry
 from mxdb.tune.workload import Point, SearchOptions, Workload
 
 BackendFactory = Callable[[], Backend]
@@ -104,6 +104,18 @@ def build_points(workload: Workload) -> list[tuple[Point, Trace, Trace]]:
     return out
 
 
+def validation_traces(workload: Workload, point: Point, replay: Trace) -> dict[str, list[Trace]]:
+    """A point's held-out instances of its class and at neighbouring token counts."""
+    opts = workload.search
+    heldout = heldout_traces(workload, point.shape, point.routing_index, replay, opts.heldout)
+    neighbours = (
+        neighbour_traces(workload, point.shape, point.routing_index, replay)
+        if opts.neighbour_tokens
+        else []
+    )
+    return {"heldout": heldout, "neighbours": neighbours}
+
+
 def tune(
     workload: Workload,
     *,
@@ -137,7 +149,18 @@ def tune(
         store.add_points(
             job,
             [
-                (p.key, {**p.payload(), "replay": r.to_payload(), "synthetic": s.to_payload()})
+                (
+                    p.key,
+                    {
+                        **p.payload(),
+                        "replay": r.to_payload(),
+                        "synthetic": s.to_payload(),
+                        **{
+                            k: [t.to_payload() for t in v]
+                            for k, v in validation_traces(workload, p, r).items()
+                        },
+                    },
+                )
                 for p, r, s in points
             ],
         )
@@ -308,6 +331,8 @@ def measure_point(
     shape = point.shape
     replay = Trace.from_payload(payload["replay"], shape.experts)
     synthetic = Trace.from_payload(payload["synthetic"], shape.experts)
+    heldout = [Trace.from_payload(t, shape.experts) for t in payload.get("heldout", [])]
+    neighbours = [Trace.from_payload(t, shape.experts) for t in payload.get("neighbours", [])]
     key = (shape.experts, shape.hidden, shape.intermediate, shape.topk)
     cache = space_cache if space_cache is not None else {}
     space = cache.get(key)
@@ -316,14 +341,22 @@ def measure_point(
         cache[key] = space
     prefix = f"{_job_tag(job)}-{_point_tag(claim.key)}-{uuid.uuid4().hex[:6]}"
     incumbents = _incumbents(store, shape, replay.routing_class, fingerprint_hash)
+    rows = peer_seeds(store, shape)
+
+    def rin(t: Trace) -> RoutingInput:
+        return RoutingInput(t.ids, t.trace_hash, t.routing_class)
+
     pin = PointInput(
         shape=shape,
-        replay=RoutingInput(replay.ids, replay.trace_hash, replay.routing_class),
-        synthetic=RoutingInput(synthetic.ids, synthetic.trace_hash, synthetic.routing_class),
+        replay=rin(replay),
+        synthetic=rin(synthetic),
         seed=int(replay.generator.get("seed") or 0),
         run_prefix=prefix,
         fingerprint_hash=fingerprint_hash,
-        peer_seeds=tuple(_dedup_configs([*peer_seeds(store, shape), *incumbents.values()])),
+        peer_seeds=tuple(_dedup_configs([*rows, *incumbents.values()])),
+        peer_rows=tuple(rows),
+        heldout=tuple(rin(t) for t in heldout),
+        neighbours=tuple(rin(t) for t in neighbours),
     )
     budget_s = None
     if deadline is not None:
@@ -336,24 +369,16 @@ def measure_point(
     result: SearchResult = search(
         backend, pin, options, space=space, budget_s=budget_s, clock=clock or time.monotonic
     )
-    verdict = judge(result)
-    entry = verified_entry(
+    arms = [pointverdict.arm_from_measurement(m) for m in result.measurements if m.comparison]
+    decision = pointverdict.decide(arms, heldout_min=options.heldout)
+    entry = point_entry(
         result,
-        verdict,
+        decision,
         routing_class=replay.routing_class,
         fingerprint_hash=fingerprint_hash,
         device_name=backend.fingerprint().device_name,
-        evidence=result.winner_run_id,
     )
-    if entry is None:
-        entry = baseline_record(
-            result,
-            verdict,
-            routing_class=replay.routing_class,
-            fingerprint_hash=fingerprint_hash,
-            device_name=backend.fingerprint().device_name,
-        )
-    rejections = contradicted(result, verdict, incumbents, replay.trace_hash)
+    rejections = contradicted(result, incumbents, replay.trace_hash)
     return result.measurements, [entry] if entry is not None else [], rejections
 
 
@@ -380,34 +405,35 @@ def _incumbents(
 
 def contradicted(
     result: SearchResult,
-    verdict: Verdict,
     incumbents: dict[int, KernelConfig],
     trace_hash: str,
 ) -> list[tuple[int, str]]:
-    """The incumbents this point's final comparison found slower than FlagGems' choice.
+    """The incumbents this point's replay comparison found slower than FlagGems' choice.
 
-    Slower means ``speedup < 1 - noise band`` on the point's replayed trace, from the final
-    interleaved timing (the same samples and band the point's own verdict uses).
+    Slower is :func:`mxdb.verdict.compare`'s "slower", from the replay comparison's rounds
+    (FlagGems' copies against the incumbent's samples).
     """
-    if verdict.noise_band is None or not result.baseline_samples:
+    copies = [result.baseline_samples, *result.control_samples]
+    if not all(copies):
         return []
-    base = stats.median(result.baseline_samples)
     finals: dict[str, list[float]] = {}
+    margin = 0.0
     for m in result.measurements:
-        if m.fidelity == "layer" and m.status == "ok" and m.samples_us:
+        if m.comparison == "replay" and m.role != "baseline" and m.status == "ok" and m.samples_us:
             finals[m.config_hash] = list(m.samples_us)
+            margin = m.margin or 0.0
     out = []
     for entry_id, cfg in sorted(incumbents.items()):
         samples = finals.get(cfg.hash)
         if not samples:
             continue
-        speedup = stats.speedup(base, stats.median(samples))
-        if speedup < 1.0 - verdict.noise_band:
+        v = verdict.compare(copies, samples, margin=margin)
+        if v.slower:
             out.append(
                 (
                     entry_id,
-                    f"slower than FlagGems' choice ({speedup:.4f}x, band "
-                    f"{verdict.noise_band:.4f}) on trace {trace_hash} of the same key",
+                    f"slower than FlagGems' choice on trace {trace_hash} of the same key: "
+                    f"{v.reason}",
                 )
             )
     return out
@@ -544,7 +570,8 @@ def _job_measurements(store: Store, job: str, shape: MoEShape, key: str) -> list
     prefix = f"{_job_tag(job)}-{_point_tag(key)}-"
     return [
         m
-        for m in store.measurements(op=shape.op, family=shape.family, tokens=shape.tokens)
+        # every token count: a point's tokens-M comparisons run at neighbouring counts
+        for m in store.measurements(op=shape.op, family=shape.family)
         if m.run_id.startswith(prefix) and m.dtype == shape.dtype
     ]
 
@@ -616,17 +643,18 @@ def write_bundle(
         ms = _job_measurements(store, job, p.shape, p.key)
         if not ms:
             continue
-        for t in (replay, synthetic):
+        extra = validation_traces(workload, p, replay)
+        for t in (replay, synthetic, *extra["heldout"], *extra["neighbours"]):
             w.add_trace(t.ids, experts=p.shape.experts, generator=t.generator)
         for m in ms:
             # the bundle holds the replayed comparison and every failure; the synthetic
             # rungs' timings stay in the store
-            if m.status == "ok" and m.role == "candidate" and m.max_abs_err is None:
+            if m.status == "ok" and m.comparison is None and m.max_abs_err is None:
                 continue
             rid = m.run_id
             w.record(
                 run_id=rid,
-                shape=p.shape,
+                shape=p.shape.with_tokens(m.tokens),
                 routing_class=m.routing_class,
                 config=m.config,
                 role=m.role,
@@ -640,6 +668,10 @@ def write_bundle(
                 error=m.error,
                 pair_id=rid.rsplit("-", 1)[0] if m.role == "control" else None,
                 fidelity=m.fidelity,
+                point=m.point,
+                comparison=m.comparison,
+                margin=m.margin,
+                order_seed=m.order_seed,
             )
     used = {e.fingerprint_hash for e in entries if e.fingerprint_hash}
     w.set_store_export(

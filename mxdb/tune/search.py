@@ -28,6 +28,7 @@ stages, which keep a reserve of the budget.  Every measurement, failures include
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -35,6 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from mxdb import pointverdict
 from mxdb.configs import GemmConfig, KernelConfig
 from mxdb.evidence import stats
 from mxdb.models import Measurement
@@ -69,6 +71,12 @@ class PointInput:
     run_prefix: str
     fingerprint_hash: str | None = None
     peer_seeds: tuple[KernelConfig, ...] = ()
+    #: the peers' table rows among the seeds: FlagGems' choice is not the only bar to clear
+    peer_rows: tuple[KernelConfig, ...] = ()
+    #: routing instances of the point's class the search never saw (held-out validation)
+    heldout: tuple[RoutingInput, ...] = ()
+    #: held-out instances at neighbouring token counts (what a neighbour answer relies on)
+    neighbours: tuple[RoutingInput, ...] = ()
 
 
 @dataclass
@@ -89,6 +97,8 @@ class SearchResult:
     winner_run_id: str | None = None
     #: uniform configs by synthetic median (best first), for benchmarks and diagnostics
     ranking: list[tuple[KernelConfig, float]] = field(default_factory=list)
+    #: the peer table row that beat FlagGems' choice and so sets the bar (mxdb.pointverdict)
+    peer_bar: KernelConfig | None = None
 
 
 class _Recorder:
@@ -116,8 +126,12 @@ class _Recorder:
         routing: RoutingInput | None = None,
         correctness: Correctness | None = None,
         run_id: str | None = None,
+        shape: MoEShape | None = None,
+        comparison: str | None = None,
+        margin: float | None = None,
+        order_seed: int | None = None,
     ) -> Measurement:
-        s = self.point.shape
+        s = shape or self.point.shape
         samples = [float(x) for x in samples]
         timed = bool(samples)
         m = Measurement(
@@ -143,6 +157,10 @@ class _Recorder:
             rel_err=correctness.rel_err if correctness is not None else None,
             timing_method=self.method if timed else None,
             fingerprint_hash=self.point.fingerprint_hash,
+            point=self.point.run_prefix if comparison is not None else None,
+            comparison=comparison,
+            margin=margin,
+            order_seed=order_seed,
         )
         self.items.append(m)
         return m
@@ -279,7 +297,11 @@ def search(
         stages=stages,
         ranking=ranking,
     )
-    _replay_and_check(backend, point, options, baseline, finalists, rec, budget, result, method)
+    peer_hashes = frozenset(c.hash for c in point.peer_rows)
+    _replay_and_check(
+        backend, point, options, baseline, finalists, rec, budget, result, method, peer_hashes
+    )
+    validate(backend, point, options, result, rec, method)
     result.budget_exhausted = budget.exhausted
     result.spent_s = budget.spent()
     return result
@@ -562,6 +584,61 @@ def _refine(
     return _dedup(history[::-1])
 
 
+def order_seed(point_seed: int, comparison: str, replicate: int) -> int:
+    """The seed of one replicate's randomized interleaving order (recorded with its runs)."""
+    text = f"{point_seed}|{comparison}|{replicate}"
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big")
+
+
+def timed_comparison(
+    backend: Backend,
+    shape: MoEShape,
+    routing: RoutingInput,
+    lineup: Sequence[KernelConfig],
+    *,
+    comparison: str,
+    replicates: int,
+    reps: int,
+    seed: int,
+    method: str,
+    budget: _Budget | None = None,
+) -> tuple[list[list[float]], dict[int, Timing], int]:
+    """Time ``lineup`` interleaved, each replicate in its own random order per round.
+
+    Returns each arm's samples (index ``r`` of every arm is round ``r``), the first failure of
+    each arm that failed, and the order seed of the first replicate.  An arm that fails in one
+    replicate loses its samples: its rounds would no longer pair with the others'.
+    """
+    acc: list[list[float]] = [[] for _ in lineup]
+    failure: dict[int, Timing] = {}
+    first_seed = order_seed(seed, comparison, 0)
+    for r in range(replicates):
+        # at least two replicates even on an exhausted budget: a claim needs repeated samples
+        if r >= 2 and budget is not None and not budget.left(0.0):
+            break
+        timings = backend.time(
+            shape,
+            routing.ids,
+            list(lineup),
+            reps=reps,
+            seed=seed,
+            method=method,
+            order_seed=order_seed(seed, comparison, r),
+        )
+        for j, t in enumerate(timings):
+            if t.status == "ok" and t.samples_us and len(t.samples_us) == reps:
+                acc[j].extend(t.samples_us)
+            elif j not in failure:
+                failure[j] = t
+    for j in failure:
+        acc[j] = []
+    return acc, failure, first_seed
+
+
+#: Same-config copies of FlagGems' choice in every comparison: the baseline and two controls.
+COPIES = 3
+
+
 def _replay_and_check(
     backend: Backend,
     point: PointInput,
@@ -572,30 +649,27 @@ def _replay_and_check(
     budget: _Budget,
     result: SearchResult,
     method: str,
+    peers: frozenset[str] = frozenset(),
 ) -> None:
     shape = point.shape
     routing = point.replay
-    lineup = [baseline, *finalists, baseline, baseline]  # last two: the control pair
-    acc: list[list[float]] = [[] for _ in lineup]
-    failure: dict[int, Timing] = {}
-    for r in range(options.replicates):
-        # at least two replicates even on an exhausted budget: a claim needs repeated samples
-        if r >= 2 and not budget.left(0.0):
-            break
-        timings = backend.time(
-            shape, routing.ids, lineup, reps=options.replay_reps, seed=point.seed, method=method
-        )
-        for j, t in enumerate(timings):
-            if t.status == "ok" and t.samples_us:
-                acc[j].extend(t.samples_us)
-            elif j not in failure:
-                failure[j] = t
-    result.stages["replicates"] = max(
-        1, min(options.replicates, len(acc[0]) // options.replay_reps)
+    lineup = [*([baseline] * COPIES), *finalists]
+    acc, failure, oseed = timed_comparison(
+        backend,
+        shape,
+        routing,
+        lineup,
+        comparison="replay",
+        replicates=options.replicates,
+        reps=options.replay_reps,
+        seed=point.seed,
+        method=method,
+        budget=budget,
     )
+    result.stages["replicates"] = max(1, len(acc[0]) // options.replay_reps)
 
     # 5. layer check of the finalists (fastest first), then of the baseline
-    finals = [(j + 1, c) for j, c in enumerate(finalists) if acc[j + 1] and j + 1 not in failure]
+    finals = [(j, c) for j, c in enumerate(lineup) if j >= COPIES and acc[j]]
     finals.sort(key=lambda jc: stats.median(acc[jc[0]]))
     checks: dict[int, Correctness] = {}
     for j, cfg in finals:
@@ -603,51 +677,134 @@ def _replay_and_check(
     base_check = backend.check(shape, routing.ids, baseline, seed=options.check_seed)
 
     prefix = point.run_prefix
-    base_id = f"{prefix}-base"
-    _record_final(
-        rec, baseline, "baseline", acc[0], failure.get(0), routing, base_check, base_id, "replay"
-    )
-    n = len(lineup)
-    for j, tag in ((n - 2, "a"), (n - 1, "b")):
+    common = {"comparison": "replay", "margin": options.verify_margin, "order_seed": oseed}
+    ids = [f"{prefix}-base", f"{prefix}-ctl-a", f"{prefix}-ctl-b"]
+    for j, rid in enumerate(ids):
+        role = "baseline" if j == 0 else "control"
+        corr = base_check if j == 0 else None
         _record_final(
-            rec,
-            baseline,
-            "control",
-            acc[j],
-            failure.get(j),
-            routing,
-            None,
-            f"{prefix}-ctl-{tag}",
-            "replay",
+            rec, baseline, role, acc[j], failure.get(j), routing, corr, rid, "replay", **common
         )
-    winner: tuple[int, KernelConfig] | None = None
-    for j, cfg in enumerate(finalists, start=1):
+    for j in range(COPIES, len(lineup)):
+        cfg = lineup[j]
         corr = checks.get(j)
-        rid = f"{prefix}-fin{j:02d}"
         status_override = "wrong" if corr is not None and not corr.passed else None
         _record_final(
             rec,
             cfg,
-            "candidate",
+            "peer" if cfg.hash in peers else "candidate",
             acc[j],
             failure.get(j),
             routing,
             corr,
-            rid,
+            f"{prefix}-fin{j - COPIES + 1:02d}",
             "layer",
             status_override=status_override,
+            **common,
         )
-        better = winner is None or (acc[j] and stats.median(acc[j]) < stats.median(acc[winner[0]]))
-        if corr is not None and corr.passed and acc[j] and better:
-            winner = (j, cfg)
     result.baseline_samples = acc[0]
-    result.control_samples = (acc[n - 2], acc[n - 1])
-    if winner is not None:
-        j, cfg = winner
-        result.winner = cfg
+    result.control_samples = (acc[1], acc[2])
+    arms = [pointverdict.arm_from_measurement(m) for m in rec.items if m.comparison == "replay"]
+    chosen, bar, _ = pointverdict.choose(arms)
+    if chosen is not None:
+        j = COPIES + int(chosen.run_id.rsplit("fin", 1)[1]) - 1
+        result.winner = lineup[j]
         result.winner_samples = acc[j]
         result.correctness = checks[j]
-        result.winner_run_id = f"{prefix}-fin{j:02d}"
+        result.winner_run_id = chosen.run_id
+    if bar is not None:
+        result.peer_bar = lineup[COPIES + int(bar.run_id.rsplit("fin", 1)[1]) - 1]
+
+
+def validate(
+    backend: Backend,
+    point: PointInput,
+    options: SearchOptions,
+    result: SearchResult,
+    rec: _Recorder,
+    method: str,
+) -> None:
+    """Time the replay's choice on the point's held-out routings (see ``PointInput``).
+
+    Each held-out instance of the point's class is one comparison (``heldout-N``): FlagGems'
+    choice and its copies, the choice, and the peer row that set the bar; each neighbouring
+    token count's instance (``tokens-M``) compares the choice with FlagGems' choice there.
+    The choice is checked against the reference on every instance.
+    """
+    chosen = result.winner
+    if chosen is None:
+        return
+    comps: list[tuple[str, MoEShape, RoutingInput]] = [
+        (f"heldout-{i + 1}", point.shape, r) for i, r in enumerate(point.heldout)
+    ]
+    for r in point.neighbours:
+        n = r.ids.shape[0]
+        comps.append((f"tokens-{n}", point.shape.with_tokens(n), r))
+    for name, shape, routing in comps:
+        base = backend.baseline_config(shape)
+        extra = []
+        if name.startswith("heldout-") and result.peer_bar is not None:
+            if result.peer_bar.hash != chosen.hash:
+                extra = [result.peer_bar]
+        lineup = [*([base] * COPIES), chosen, *extra]
+        acc, failure, oseed = timed_comparison(
+            backend,
+            shape,
+            routing,
+            lineup,
+            comparison=name,
+            replicates=options.heldout_replicates,
+            reps=options.replay_reps,
+            seed=point.seed,
+            method=method,
+        )
+        corr = backend.check(shape, routing.ids, chosen, seed=options.check_seed)
+        common = {"comparison": name, "margin": options.verify_margin, "order_seed": oseed}
+        tag = f"{point.run_prefix}-{name}"
+        for j, rid in enumerate([f"{tag}-base", f"{tag}-ctl-a", f"{tag}-ctl-b"]):
+            _record_final(
+                rec,
+                base,
+                "baseline" if j == 0 else "control",
+                acc[j],
+                failure.get(j),
+                routing,
+                None,
+                rid,
+                "replay",
+                shape=shape,
+                **common,
+            )
+        _record_final(
+            rec,
+            chosen,
+            "candidate",
+            acc[COPIES],
+            failure.get(COPIES),
+            routing,
+            corr,
+            f"{tag}-cand",
+            "layer",
+            status_override="wrong" if not corr.passed else None,
+            shape=shape,
+            **common,
+        )
+        if extra:
+            pcorr = backend.check(shape, routing.ids, extra[0], seed=options.check_seed)
+            _record_final(
+                rec,
+                extra[0],
+                "peer",
+                acc[COPIES + 1],
+                failure.get(COPIES + 1),
+                routing,
+                pcorr,
+                f"{tag}-peer",
+                "layer",
+                status_override="wrong" if not pcorr.passed else None,
+                shape=shape,
+                **common,
+            )
 
 
 def _record_final(
@@ -662,7 +819,17 @@ def _record_final(
     fidelity: str,
     *,
     status_override: str | None = None,
+    shape: MoEShape | None = None,
+    comparison: str | None = None,
+    margin: float | None = None,
+    order_seed: int | None = None,
 ) -> None:
+    extra = {
+        "shape": shape,
+        "comparison": comparison,
+        "margin": margin,
+        "order_seed": order_seed,
+    }
     if failure is not None or not samples:
         fstatus: str = failure.status if failure is not None else "timeout"
         error = failure.error if failure is not None else "no samples"
@@ -675,6 +842,7 @@ def _record_final(
             routing=routing,
             correctness=corr,
             run_id=run_id,
+            **extra,
         )
         return
     status: str = status_override or "ok"
@@ -695,4 +863,5 @@ def _record_final(
         routing=routing,
         correctness=corr,
         run_id=run_id,
+        **extra,
     )

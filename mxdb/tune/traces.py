@@ -102,6 +102,78 @@ def point_traces(workload: Workload, shape: MoEShape, routing_index: int) -> tup
     return replay, synthetic
 
 
+#: Draws tried per held-out instance before giving up on finding one of the point's class.
+HELDOUT_TRIES = 8
+
+
+def heldout_traces(
+    workload: Workload, shape: MoEShape, routing_index: int, replay: Trace, count: int
+) -> list[Trace]:
+    """``count`` routing instances of ``replay``'s class that the search never sees.
+
+    Generated sources draw fresh seeds from the same generator and keep instances that fall in
+    the point's class; a replayed trace gives its held-out windows (the next ``M`` tokens after
+    the replayed ones, and so on).  Fewer than ``count`` come back when the source has no more.
+    """
+    src = workload.routings[routing_index]
+    out: list[Trace] = []
+    if isinstance(src, ReplayRouting):
+        rows = _read_replay_rows(workload, src, shape)
+        m = shape.tokens
+        for w in range(1, count + 1):
+            window = rows[w * m : (w + 1) * m]
+            if window.shape[0] < m:
+                break
+            cls = classify(window, shape.experts)
+            gen = {"kind": "captured", "seed": None, "params": {"path": src.path, "window": w}}
+            out.append(Trace(window, trace_hash(shape.experts, window.tolist()), cls, gen))
+        return out
+    base = _seed(workload.seed, shape, src.label() + "|heldout")
+    for i in range(count * HELDOUT_TRIES):
+        if len(out) == count:
+            break
+        seed = (base + i) % 2**32
+        ids = generate(src.kind, shape, seed, _params(src))
+        cls = classify(ids, shape.experts)
+        if cls != replay.routing_class:
+            continue
+        gen = {"kind": src.kind, "seed": seed, "params": _params(src)}
+        out.append(Trace(ids, trace_hash(shape.experts, ids.tolist()), cls, gen))
+    return out
+
+
+def neighbour_tokens(tokens: int) -> list[int]:
+    """The token counts half-way (geometric) to a point's neighbours at half and double M."""
+    out = []
+    for t in (round(tokens / 2**0.5), round(tokens * 2**0.5)):
+        if t >= 1 and t != tokens and t not in out:
+            out.append(t)
+    return out
+
+
+def neighbour_traces(
+    workload: Workload, shape: MoEShape, routing_index: int, replay: Trace
+) -> list[Trace]:
+    """One held-out instance at each of :func:`neighbour_tokens` (any class it falls in)."""
+    out: list[Trace] = []
+    for t in neighbour_tokens(shape.tokens):
+        sub = shape.with_tokens(t)
+        got = heldout_traces(workload, sub, routing_index, replay, 1)
+        if not got:
+            # the class at a neighbouring count may differ: keep the first instance drawn
+            src = workload.routings[routing_index]
+            if isinstance(src, ReplayRouting):
+                continue
+            seed = _seed(workload.seed, sub, src.label() + "|heldout")
+            ids = generate(src.kind, sub, seed, _params(src))
+            gen = {"kind": src.kind, "seed": seed, "params": _params(src)}
+            got = [
+                Trace(ids, trace_hash(sub.experts, ids.tolist()), classify(ids, sub.experts), gen)
+            ]
+        out.append(got[0])
+    return out
+
+
 def _seed(base: int, shape: MoEShape, label: str) -> int:
     text = f"{base}|{shape.family}|{shape.dtype}|{shape.tokens}|{label}"
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big")
@@ -135,3 +207,13 @@ def _read_replay(workload: Workload, src: ReplayRouting, shape: MoEShape) -> np.
     # the first M tokens; a shorter trace is repeated cyclically to M tokens
     reps = -(-shape.tokens // ids.shape[0])
     return np.tile(ids, (reps, 1))[: shape.tokens]
+
+
+def _read_replay_rows(workload: Workload, src: ReplayRouting, shape: MoEShape) -> np.ndarray:
+    """Every row of a replay trace (no repetition): its windows past the first M are held out."""
+    full = _read_replay(workload, src, shape.with_tokens(1))
+    del full
+    path = workload.resolve(src.path)
+    doc = json.loads(path.read_text(encoding="utf-8"))
+    rows = doc.get("ids") if isinstance(doc, dict) else doc
+    return np.asarray(rows, dtype=np.int64)

@@ -1,168 +1,70 @@
-"""Verification: when a tuned config may be stored as ``verified``.
+"""Verification: the store entry a tuning point's decision supports.
 
-A config is verified only when it is correct (its layer output within the dtype's thresholds
-of the float32 reference, :mod:`mxdb.evidence.thresholds`) AND its speedup over the baseline
-(FlagGems' own choice for the same call) exceeds the noise band measured by a same-config
-control pair in the same interleaved timings.  Speedup and noise band are the evidence
-definitions (:mod:`mxdb.evidence.stats`), so the auditor recomputes exactly these figures:
-
-- ``speedup = median(baseline samples) / median(winner samples)``;
-- ``noise band = max(a, b) / min(a, b) - 1`` for the control pair's medians ``a``, ``b``;
-- verified when ``speedup - 1 > noise band`` (no control pair, no verification).
-
-A point that timed finalists beside the baseline and verified none is stored as a ``baseline``
-record: the key measured, FlagGems' own choice not beaten.
+The decision itself (:func:`mxdb.pointverdict.decide`) is made from the point's comparisons
+with the one verdict rule (:mod:`mxdb.verdict`): a config is ``verified`` only when it is
+correct, faster than FlagGems' own choice on the replayed trace by a paired confidence
+interval that clears the workload's margin and the noise band of FlagGems' same-config
+copies, not beaten by a peer table's row that also beat FlagGems' choice, and faster again on
+every held-out routing instance of its class.  A point that compared candidates with FlagGems'
+choice and confirmed none is stored as a ``baseline`` record: FlagGems' choice stands there.
+The audit re-makes the same decision from a bundle's raw samples.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from mxdb.configs import KernelConfig
-from mxdb.evidence import stats
-from mxdb.evidence.thresholds import passes
 from mxdb.models import Entry, EntryStatus
+from mxdb.pointverdict import PointDecision
 from mxdb.tune.search import SearchResult
 
 
-@dataclass(frozen=True)
-class Verdict:
-    """Whether a search's winner is verified, with the figures that decided it."""
-
-    verified: bool
-    reason: str
-    speedup: float | None
-    noise_band: float | None
-    winner_median_us: float | None
-    baseline_median_us: float | None
-
-
-def noise_band(a: list[float], b: list[float]) -> float | None:
-    """The control pair's noise band, or None when either side has no samples."""
-    if not a or not b:
-        return None
-    return stats.pair_noise(stats.median(a), stats.median(b))
-
-
-def judge(result: SearchResult) -> Verdict:
-    """Apply the verification rule to a search result."""
-    band = noise_band(*result.control_samples)
-    base = stats.median(result.baseline_samples) if result.baseline_samples else None
-    win = stats.median(result.winner_samples) if result.winner_samples else None
-    corr = result.correctness
-    if result.winner is None or win is None or corr is None:
-        return Verdict(False, "no correct candidate other than the baseline", None, band, win, base)
-    if not passes(result.shape.dtype, corr.max_abs_err, corr.rel_err):
-        return Verdict(False, "the winner fails the correctness check", None, band, win, base)
-    if base is None:
-        return Verdict(False, "the baseline has no timing", None, band, win, base)
-    speedup = stats.speedup(base, win)
-    if band is None:
-        return Verdict(
-            False, "no control pair: the noise band is unknown", speedup, band, win, base
-        )
-    if speedup - 1.0 > band:
-        return Verdict(
-            True,
-            f"speedup {speedup:.4f}x exceeds the noise band {band:.4f}",
-            speedup,
-            band,
-            win,
-            base,
-        )
-    return Verdict(
-        False,
-        f"speedup {speedup:.4f}x is within the noise band {band:.4f}",
-        speedup,
-        band,
-        win,
-        base,
-    )
-
-
-def verified_entry(
+def point_entry(
     result: SearchResult,
-    verdict: Verdict,
-    *,
-    routing_class: str,
-    fingerprint_hash: str | None,
-    device_name: str | None,
-    evidence: str | None,
-) -> Entry | None:
-    """The store entry (status "verified") for a verified winner, else None."""
-    if not verdict.verified or result.winner is None:
-        return None
-    return _point_entry(
-        result,
-        result.winner,
-        "verified",
-        routing_class=routing_class,
-        fingerprint_hash=fingerprint_hash,
-        device_name=device_name,
-        speedup=verdict.speedup,
-        noise_band=verdict.noise_band,
-        median_us=verdict.winner_median_us,
-        baseline_us=verdict.baseline_median_us,
-        evidence=evidence,
-    )
-
-
-def baseline_record(
-    result: SearchResult,
-    verdict: Verdict,
+    decision: PointDecision,
     *,
     routing_class: str,
     fingerprint_hash: str | None,
     device_name: str | None,
 ) -> Entry | None:
-    """The ``baseline`` entry of a point where nothing beat FlagGems' choice beyond the noise.
-
-    Only when the point measured what the verdict needs (FlagGems' choice on the replayed
-    routing, a control pair, and at least one finalist timed beside them): then the key is
-    known to be FlagGems', and the dispatcher answers it with FlagGems' choice instead of a
-    neighbouring key's config.
-    """
-    if verdict.verified or verdict.baseline_median_us is None or verdict.noise_band is None:
+    """The entry (``verified`` or ``baseline``) the decision supports, else None."""
+    if decision.status == "none":
         return None
-    # a point whose budget ran out before any finalist was timed compared nothing with
-    # FlagGems' choice: that is no evidence for it
-    if not any(
-        m.fidelity == "layer" and m.role == "candidate" and m.samples_us
-        for m in result.measurements
-    ):
-        return None
-    run = next(
-        (m.run_id for m in result.measurements if m.role == "baseline" and m.status == "ok"),
-        None,
-    )
-    return _point_entry(
+    if decision.status == "verified":
+        cands = [result.winner, result.peer_bar, *(c for c, _ in result.ranking)]
+        config = next((c for c in cands if c is not None and c.hash == decision.config_hash), None)
+        if config is None:
+            config = next(
+                (
+                    KernelConfig.parse(m.config)
+                    for m in result.measurements
+                    if m.config_hash == decision.config_hash
+                ),
+                None,
+            )
+        if config is None:  # pragma: no cover - the decision names a config it was given
+            return None
+    else:
+        config = result.baseline
+    return entry_for(
         result,
-        result.baseline,
-        "baseline",
+        config,
+        decision.status,
+        decision,
         routing_class=routing_class,
         fingerprint_hash=fingerprint_hash,
         device_name=device_name,
-        speedup=1.0,
-        noise_band=verdict.noise_band,
-        median_us=verdict.baseline_median_us,
-        baseline_us=verdict.baseline_median_us,
-        evidence=run,
     )
 
 
-def _point_entry(
+def entry_for(
     result: SearchResult,
     config: KernelConfig,
     status: EntryStatus,
+    decision: PointDecision,
     *,
     routing_class: str,
     fingerprint_hash: str | None,
     device_name: str | None,
-    speedup: float | None,
-    noise_band: float | None,
-    median_us: float | None,
-    baseline_us: float | None,
-    evidence: str | None,
 ) -> Entry:
     s = result.shape
     return Entry(
@@ -178,9 +80,11 @@ def _point_entry(
         device_name=device_name,
         status=status,
         source="tune",
-        speedup=speedup,
-        noise_band=noise_band,
-        median_us=median_us,
-        baseline_us=baseline_us,
-        evidence=evidence,
+        speedup=decision.speedup,
+        noise_band=decision.noise_band,
+        median_us=decision.median_us,
+        baseline_us=decision.baseline_us,
+        evidence=decision.evidence,
+        confidence=decision.confidence,
+        validation=decision.validation or None,
     )

@@ -156,6 +156,27 @@ class SearchOptions(BaseModel):
         "choice and the peer seeds (a line search along each field); off for quick sweeps",
     )
     check_seed: int = 1234
+    verify_margin: float = Field(
+        default=0.005,
+        ge=0,
+        le=0.5,
+        description="a verified config's speedup interval must clear 1 + this margin "
+        "(mxdb.verdict)",
+    )
+    heldout: int = Field(
+        default=3,
+        ge=3,
+        le=20,
+        description="held-out routing instances of the point's class a verified config must win",
+    )
+    heldout_replicates: int = Field(
+        default=2, ge=1, le=50, description="replicates of each held-out comparison"
+    )
+    neighbour_tokens: bool = Field(
+        default=True,
+        description="also validate the choice at the token counts half-way (geometric) to the "
+        "neighbouring ones, so that the dispatcher may answer them from this entry",
+    )
 
 
 class Workload(BaseModel):

@@ -1,0 +1,271 @@
+"""From a tuning point's timed comparisons to its store entry: one decision, made twice.
+
+The tuner makes it from its measurements when it stores an entry; the audit makes it again
+from the raw samples of a bundle's runs and compares the result with the bundle's store
+export, so an entry that no runs support, or whose status, config or figures differ, is a
+finding.  Every "faster" here is :func:`mxdb.verdict.compare`.
+
+A point's comparisons (each timed in rounds of randomized order, :mod:`mxdb.verdict`):
+
+- ``replay``: FlagGems' choice (role ``baseline``) with same-config copies (``control``), the
+  finalists (``candidate``) and peers' table rows (``peer``), on the workload's trace.
+- ``heldout-N``: FlagGems' choice and its copies, the chosen config, and the peer row that set
+  the bar (if any), on a routing instance of the point's class the search never saw.
+- ``tokens-M``: FlagGems' choice at a neighbouring token count ``M`` and its copies against the
+  chosen config, on a held-out instance at ``M`` (what a neighbour answer of the dispatcher
+  may rely on).
+
+The decision:
+
+1. Among correct candidates and peer rows that are *faster* than FlagGems' choice on the
+   replay, the one with the largest speedup (ties: the smaller run id).
+2. Peers as baselines: where a peer row is faster than FlagGems' choice, the choice must also
+   be faster than the best such row (that row's samples as the baseline, FlagGems' copies'
+   noise band); otherwise the entry is that row.
+3. ``verified`` when the choice is also faster than FlagGems' choice, correct, and not slower
+   than the bar row on each of at least :data:`HELDOUT_MIN` held-out instances; its confidence
+   is the fraction of held-out instances won.  A point whose choice lost a held-out instance,
+   or that had candidates and none faster, is a ``baseline`` record: FlagGems' choice stands.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from mxdb import verdict
+
+#: Held-out routing instances a verified entry must have won, at the least.
+HELDOUT_MIN = 3
+
+DecisionStatus = Literal["verified", "baseline", "none"]
+
+
+@dataclass(frozen=True, slots=True)
+class Arm:
+    """One timed arm of a comparison: a run document or a stored measurement."""
+
+    run_id: str
+    role: str
+    config_hash: str
+    status: str
+    samples: tuple[float, ...]
+    correct: bool | None
+    comparison: str
+    tokens: int
+    routing_class: str
+    trace_hash: str | None
+    margin: float
+
+
+@dataclass(frozen=True)
+class PointDecision:
+    """What a point's comparisons support, with the figures the store entry carries."""
+
+    status: DecisionStatus
+    config_hash: str | None
+    evidence: str | None
+    speedup: float | None
+    low: float | None
+    high: float | None
+    noise_band: float | None
+    median_us: float | None
+    baseline_us: float | None
+    confidence: float | None
+    validation: list[dict[str, Any]] = field(default_factory=list)
+    reason: str = ""
+
+
+def arm_from_run(run: Mapping[str, Any], correct: bool | None) -> Arm:
+    """An arm from an evidence run document (``runs/*.json``)."""
+    timing = run.get("timing") or {}
+    return Arm(
+        run_id=str(run["run_id"]),
+        role=str(run["role"]),
+        config_hash=str(run["config_hash"]),
+        status=str(run["status"]),
+        samples=tuple(timing.get("samples_us") or ()),
+        correct=correct,
+        comparison=str(run.get("comparison") or "replay"),
+        tokens=int(run["shape"]["tokens"]),
+        routing_class=str(run["routing_class"]),
+        trace_hash=run.get("trace_hash"),
+        margin=float(run.get("margin") or 0.0),
+    )
+
+
+def arm_from_measurement(m: Any) -> Arm:
+    """An arm from a stored :class:`mxdb.models.Measurement` of a comparison."""
+    return Arm(
+        run_id=m.run_id,
+        role=m.role,
+        config_hash=m.config_hash,
+        status=m.status,
+        samples=tuple(m.samples_us),
+        correct=None if m.max_abs_err is None else verdict.passes(m.dtype, m.max_abs_err, m.rel_err),
+        comparison=m.comparison or "replay",
+        tokens=m.tokens,
+        routing_class=m.routing_class,
+        trace_hash=m.trace_hash,
+        margin=float(m.margin or 0.0),
+    )
+
+
+def _median(xs: Sequence[float]) -> float:
+    s = sorted(xs)
+    n = len(s)
+    return float(s[n // 2]) if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2.0
+
+
+def copies_of(arms: Sequence[Arm]) -> tuple[Arm | None, list[Arm]]:
+    base = next((a for a in arms if a.role == "baseline"), None)
+    if base is None:
+        return None, []
+    copies = [
+        a
+        for a in arms
+        if a.role in ("baseline", "control")
+        and a.config_hash == base.config_hash
+        and a.status == "ok"
+        and a.samples
+    ]
+    return base, sorted(copies, key=lambda a: a.run_id)
+
+
+def usable(a: Arm) -> bool:
+    return a.status == "ok" and bool(a.samples) and a.correct is True
+
+
+def _record(name: str, arm: Arm, v: verdict.Verdict, won: bool) -> dict[str, Any]:
+    return {
+        "comparison": name,
+        "tokens": arm.tokens,
+        "routing_class": arm.routing_class,
+        "trace_hash": arm.trace_hash,
+        "outcome": v.outcome,
+        "speedup": v.speedup,
+        "low": v.low,
+        "high": v.high,
+        "noise_band": v.noise_band,
+        "won": won,
+    }
+
+
+def choose(arms: Sequence[Arm]) -> tuple[Arm | None, Arm | None, dict[str, verdict.Verdict]]:
+    """The replay comparison's choice, the peer row that set the bar, and every verdict."""
+    base, copies = copies_of(arms)
+    if base is None or not copies:
+        return None, None, {}
+    samples = [list(a.samples) for a in copies]
+    verdicts: dict[str, verdict.Verdict] = {}
+    faster: list[Arm] = []
+    for a in sorted(arms, key=lambda x: x.run_id):
+        if a.role not in ("candidate", "peer") or a.config_hash == base.config_hash or not usable(a):
+            continue
+        v = verdict.compare(samples, a.samples, margin=a.margin)
+        verdicts[a.run_id] = v
+        if v.faster:
+            faster.append(a)
+    if not faster:
+        return None, None, verdicts
+
+    def speed(a: Arm) -> float:
+        return verdicts[a.run_id].speedup or 0.0
+
+    best = max(faster, key=speed)  # max keeps the first of equals: the smaller run id
+    peers = [a for a in faster if a.role == "peer"]
+    bar = max(peers, key=speed) if peers else None
+    if bar is not None and bar.run_id != best.run_id:
+        band = verdicts[best.run_id].noise_band
+        over_bar = verdict.compare([list(bar.samples)], best.samples, margin=best.margin, band=band)
+        verdicts[f"{best.run_id}>{bar.run_id}"] = over_bar
+        if not over_bar.faster:
+            best = bar
+    return best, bar, verdicts
+
+
+def decide(arms: Iterable[Arm], *, heldout_min: int = HELDOUT_MIN) -> PointDecision:
+    """The decision of one point from all its arms (see the module docstring)."""
+    by_comp: dict[str, list[Arm]] = {}
+    for a in arms:
+        by_comp.setdefault(a.comparison, []).append(a)
+    replay = by_comp.get("replay", [])
+    base, _ = copies_of(replay)
+    base_us = _median(base.samples) if base is not None and base.samples else None
+    chosen, bar, verdicts = choose(replay)
+    timed = any(
+        a.role in ("candidate", "peer") and a.status == "ok" and a.samples
+        for a in replay
+        if base is None or a.config_hash != base.config_hash
+    )
+    if chosen is None:
+        band = next(iter(verdicts.values())).noise_band if verdicts else None
+        if base is None or base_us is None or not timed or band is None:
+            return PointDecision(
+                "none", None, None, None, None, None, None, None, base_us, None,
+                reason="nothing was compared with FlagGems' choice",
+            )  # fmt: skip
+        return PointDecision(
+            "baseline", base.config_hash, base.run_id, 1.0, None, None, band, base_us, base_us,
+            None, reason="no candidate was faster than FlagGems' choice beyond the noise",
+        )  # fmt: skip
+    v = verdicts[chosen.run_id]
+    assert base is not None
+    validation: list[dict[str, Any]] = []
+    heldout = sorted(n for n in by_comp if n.startswith("heldout-"))
+    won = 0
+    for name in heldout:
+        comp = by_comp[name]
+        _, copies = copies_of(comp)
+        cand = next((a for a in comp if a.config_hash == chosen.config_hash), None)
+        if cand is None or not copies or not usable(cand):
+            validation.append({"comparison": name, "outcome": "missing", "won": False})
+            continue
+        hv = verdict.compare([list(c.samples) for c in copies], cand.samples, margin=cand.margin)
+        ok = hv.faster
+        if bar is not None and bar.config_hash != chosen.config_hash:
+            peer = next((a for a in comp if a.config_hash == bar.config_hash and usable(a)), None)
+            if peer is not None:
+                pv = verdict.compare(
+                    [list(peer.samples)], cand.samples, margin=cand.margin, band=hv.noise_band
+                )
+                ok = ok and not pv.slower
+        won += ok
+        validation.append(_record(name, cand, hv, ok))
+    for name in sorted(n for n in by_comp if n.startswith("tokens-")):
+        comp = by_comp[name]
+        _, copies = copies_of(comp)
+        cand = next((a for a in comp if a.config_hash == chosen.config_hash), None)
+        if cand is None or not copies or not usable(cand):
+            continue
+        nv = verdict.compare([list(c.samples) for c in copies], cand.samples, margin=cand.margin)
+        validation.append(_record(name, cand, nv, nv.faster))
+    confidence = won / len(heldout) if heldout else 0.0
+    figures = dict(
+        speedup=v.speedup, low=v.low, high=v.high, noise_band=v.noise_band,
+        median_us=_median(chosen.samples), baseline_us=base_us,
+    )  # fmt: skip
+    if len(heldout) >= heldout_min and won == len(heldout):
+        return PointDecision(
+            "verified", chosen.config_hash, chosen.run_id, confidence=confidence,
+            validation=validation,
+            reason=f"faster on the replay ({v.reason}) and on {won} of {len(heldout)} "
+            "held-out routing instances",
+            **figures,
+        )  # fmt: skip
+    why = (
+        f"only {len(heldout)} held-out instances (at least {heldout_min} needed)"
+        if len(heldout) < heldout_min
+        else f"won {won} of {len(heldout)} held-out routing instances"
+    )
+    return PointDecision(
+        "baseline", base.config_hash, base.run_id, 1.0, None, None, v.noise_band, base_us,
+        base_us, confidence, validation,
+        reason=f"the replay's choice was not confirmed: {why}",
+    )  # fmt: skip
+
+
+def finite(x: float | None) -> bool:
+    return x is not None and math.isfinite(x)
