@@ -77,7 +77,7 @@ def test_cpu_commands_load_no_gpu_package(guarded_env: dict[str, str], tmp_path:
         "--dtype",
         "bf16",
     ]
-    vllm_dir = Path(__file__).resolve().parents[2] / "shared" / "peers" / "vllm_h200"
+    vllm_dir = Path(__file__).resolve().parent / "data" / "vllm_configs"
     bundle = tmp_path / "empty-bundle"
     bundle.mkdir()
     commands = [
