@@ -62,3 +62,11 @@ class EvidenceError(MxdbError):
 
 class GpuUnavailableError(MxdbError):
     """The operation needs a GPU with torch, triton and flag_gems, and none is usable here."""
+
+
+class OutputError(MxdbError):
+    """An output file or folder cannot be written: a full disk, no permission, a read-only disk."""
+
+
+class OutputPathError(OutputError, UsageError):
+    """An output path cannot be used at all: a part of it is a file, it is a folder, a bad name."""
