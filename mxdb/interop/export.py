@@ -94,13 +94,10 @@ def build_export(store: Store, statuses: Sequence[str] | None = None) -> StoreEx
 
 def read_export(path: str | Path) -> StoreExport:
     """Read and validate an mxdb export file."""
+    from mxdb.fileio import load_json
+
     p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise InvalidInputError(f"export file {p} does not exist") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidInputError(f"export file {p} is not valid JSON: {exc}") from None
+    data = load_json(p, what="export file")
     if isinstance(data, dict) and data.get("schema") != EXPORT_SCHEMA:
         raise InvalidInputError(
             f"{p} is not an mxdb store export: schema is {data.get('schema')!r}, "
