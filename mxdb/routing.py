@@ -184,6 +184,8 @@ def _read_file(path: Path) -> tuple[IdArray, int | None]:
             f"trace file {where!r} has suffix {suffix or '(none)'!r}; use a .json or .npy file"
         )
     raw = read_bytes(path, limit=MAX_TRACE_BYTES, what="trace file", error=TraceError)
+    if not raw:
+        raise _fail(f"trace file {where} is empty (0 bytes)")
     if suffix == ".npy":
         import io
 
