@@ -16,6 +16,7 @@ from typing import Any
 from mxdb.errors import EvidenceError, NotFoundError
 from mxdb.evidence.files import atomic_write, dumps
 from mxdb.evidence.models import SCHEMA_VERSION
+from mxdb.fileio import load_json
 
 
 def build_report(summary: Mapping[str, Any]) -> dict[str, Any]:
@@ -109,15 +110,33 @@ def _failure_counts(run_ids: list[str], status_of: Mapping[str, str]) -> str:
     return ", ".join(f"{status} {n}" for status, n in sorted(counts.items())) or "-"
 
 
-def _plot(report: Mapping[str, Any], out_dir: Path) -> list[Path]:
+def _matplotlib() -> Any:
+    """matplotlib with the Agg backend, or an error that says what is wrong and what to do."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("matplotlib")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        raise EvidenceError(
+            "the plots of mxdb report are drawn with matplotlib, which is not installed here; "
+            "install it (pip install 'mxdb[plot]'), or pass --no-plots to write report.md and "
+            "report.json only; nothing was written"
+        )
     try:
         import matplotlib
-    except ImportError:
+    except Exception as exc:  # installed but broken: say so rather than "not installed"
         raise EvidenceError(
-            "plots need matplotlib, which is not installed; install the extra "
-            "(pip install 'mxdb[plot]') or pass --no-plots"
+            f"matplotlib is installed but cannot be imported ({type(exc).__name__}: {exc}); "
+            "repair it (pip install --force-reinstall matplotlib), or pass --no-plots; "
+            "nothing was written"
         ) from None
     matplotlib.use("Agg")
+    return matplotlib
+
+
+def _plot(report: Mapping[str, Any], out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     written = []
@@ -167,9 +186,19 @@ def write_report(bundle: Path, out_dir: Path, *, plots: bool = True) -> list[Pat
         raise NotFoundError(
             f"no summary.json in {bundle}; give the directory of a finished evidence bundle"
         )
-    claimed = json.loads(summary_path.read_bytes())
-    summary = build_summary(bundle, bandwidth_bytes_per_s=claimed.get("bandwidth_bytes_per_s"))
-    rep = build_report(summary)
+    if plots:
+        _matplotlib()  # before anything is written
+    claimed = load_json(summary_path, what="summary", error=EvidenceError)
+    if not isinstance(claimed, dict):
+        raise EvidenceError(f"{summary_path} is not a JSON object")
+    try:
+        summary = build_summary(bundle, bandwidth_bytes_per_s=claimed.get("bandwidth_bytes_per_s"))
+        rep = build_report(summary)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, ZeroDivisionError) as exc:
+        raise EvidenceError(
+            f"the bundle {bundle} is malformed ({type(exc).__name__}: {exc}); "
+            f"run `mxdb audit {bundle}` for the details"
+        ) from None
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(out_dir / "report.json", dumps(rep))
