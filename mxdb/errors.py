@@ -56,6 +56,10 @@ class NotFoundError(MxdbError):
     """A requested record (entry, fingerprint, bundle, file) does not exist."""
 
 
+class StoreNotFoundError(StoreError, NotFoundError):
+    """A command that only reads was pointed at a store that does not exist (none is created)."""
+
+
 class EvidenceError(MxdbError):
     """An evidence bundle cannot be written or read as a whole."""
 

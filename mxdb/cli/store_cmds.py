@@ -208,7 +208,7 @@ def export_cmd(
     from mxdb.store import Store
 
     opts = ExportOptions(statuses=statuses, dtype=dtype, routing_class=routing_class)
-    with Store.open(db) as store:
+    with Store.open(db, create=False) as store:
         report = export_store(store, fmt, out, opts)
     if as_json:
         emit_json(report.to_dict())
