@@ -131,10 +131,11 @@ def read_export(path: str | Path) -> StoreExport:
 def import_export(store: Store, path: str | Path) -> dict[str, int]:
     """Add an mxdb export's fingerprints and entries to ``store`` (duplicates are skipped)."""
     doc = read_export(path)
-    for fp in doc.fingerprints.values():
-        store.put_fingerprint(fp)
     before = sum(store.count_entries().values())
-    store.add_entries([e.model_copy(update={"id": None}) for e in doc.entries])
+    store.add_entries(
+        [e.model_copy(update={"id": None}) for e in doc.entries],
+        fingerprints=list(doc.fingerprints.values()),
+    )
     return {"read": len(doc.entries), "added": sum(store.count_entries().values()) - before}
 
 

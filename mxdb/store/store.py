@@ -196,6 +196,13 @@ def _check_sqlite_file(path: Path) -> None:
         )
 
 
+def _overflow(what: str) -> InvalidInputError:
+    return InvalidInputError(
+        f"{what}: a number is too large for the database (integers are limited to 2**63 - 1); "
+        "check the input's values"
+    )
+
+
 def _writable(path: Path) -> bool:
     """Whether this process may write the SQLite file (and create its journal beside it)."""
     return os.access(path, os.W_OK)
@@ -326,7 +333,11 @@ class Store:
             with self._engine.connect() as conn, conn.begin():
                 yield conn
         except SQLAlchemyError as exc:
+            if isinstance(exc.__cause__, OverflowError) or "too large" in str(exc):
+                raise _overflow(what) from None
             raise self._fail(what, exc) from exc
+        except OverflowError:
+            raise _overflow(what) from None
 
     def _write(self, what: str, fn: Callable[[Connection], T]) -> T:
         """Run ``fn`` in one write transaction (BEGIN IMMEDIATE on SQLite), retrying locks."""
@@ -334,10 +345,14 @@ class Store:
             try:
                 with self._writer.connect() as conn, conn.begin():
                     return fn(conn)
+            except OverflowError:
+                raise _overflow(what) from None
             except SQLAlchemyError as exc:
                 if self._sqlite and is_locked_error(exc) and attempt < _LOCKED_RETRIES:
                     time.sleep(0.05 * 2**attempt)
                     continue
+                if isinstance(exc.__cause__, OverflowError) or "too large to convert" in str(exc):
+                    raise _overflow(what) from None
                 raise self._fail(what, exc) from exc
         raise AssertionError("unreachable")
 
@@ -386,16 +401,14 @@ class Store:
 
     def put_fingerprint(self, fp: Fingerprint) -> str:
         """Store ``fp`` (idempotent); returns its hash."""
-        h = fp.hash
+        self._write("storing a fingerprint", lambda conn: self._put_fingerprint(conn, fp))
+        return fp.hash
 
-        def fn(conn: Connection) -> None:
-            stmt = self._insert(fingerprints_t).values(
-                hash=h, components=_dumps(fp.components()), created_at=utcnow()
-            )
-            conn.execute(stmt.on_conflict_do_nothing(index_elements=["hash"]))
-
-        self._write("storing a fingerprint", fn)
-        return h
+    def _put_fingerprint(self, conn: Connection, fp: Fingerprint) -> None:
+        stmt = self._insert(fingerprints_t).values(
+            hash=fp.hash, components=_dumps(fp.components()), created_at=utcnow()
+        )
+        conn.execute(stmt.on_conflict_do_nothing(index_elements=["hash"]))
 
     def get_fingerprint(self, h: str) -> Fingerprint | None:
         with self._read("reading a fingerprint") as conn:
@@ -447,15 +460,25 @@ class Store:
                     ids[tuple(row[1:])] = row[0]
         return [ids[_natural_key(v)] for v in values]
 
-    def add_entries(self, entries: Sequence[Entry]) -> list[int]:
-        """Add ``entries`` in one transaction; returns their ids, in order.
+    def add_entries(
+        self, entries: Sequence[Entry], *, fingerprints: Sequence[Fingerprint] = ()
+    ) -> list[int]:
+        """Add ``entries`` (and the ``fingerprints`` they name) in one transaction.
 
-        An entry whose natural key (op, dtype, family, tokens, routing_class,
-        fingerprint_hash, source, config_hash) is already stored is skipped and the
-        stored row's id returned.  Bumps the generation.
+        Returns the entries' ids, in order.  An entry whose natural key (op, dtype,
+        family, tokens, routing_class, fingerprint_hash, source, config_hash) is already
+        stored is skipped and the stored row's id returned.  Bumps the generation.  A
+        writer killed mid-way leaves neither the fingerprints nor the entries behind.
         """
         entries = list(entries)
-        return self._write("adding entries", lambda conn: self._add_entries(conn, entries))
+        fps = list(fingerprints)
+
+        def fn(conn: Connection) -> list[int]:
+            for fp in fps:
+                self._put_fingerprint(conn, fp)
+            return self._add_entries(conn, entries)
+
+        return self._write("adding entries", fn)
 
     def entries(
         self,
