@@ -58,8 +58,12 @@ def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
-def render_markdown(report: Mapping[str, Any]) -> str:
-    """The report as Markdown: a table per shape, every failure listed."""
+def render_markdown(report: Mapping[str, Any], *, failure_ids: bool = False) -> str:
+    """The report as Markdown: a table per shape, every failure listed.
+
+    ``failure_ids``: each row's failures as run ids, the form reports had before they
+    showed counts by status (the audit accepts either rendering of report.json).
+    """
     out = [f"# Milestone {report['milestone']}", ""]
     out.append(f"Environment fingerprint `{report['fingerprint_hash']}`.")
     c = report["counts"]
@@ -77,6 +81,12 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         "max/min - 1 of the group's control pairs; verified when speedup - 1 > noise band."
     )
     status_of = {f["run_id"]: f["status"] for f in report["failures"]}
+
+    def failures(row: Mapping[str, Any]) -> str:
+        if failure_ids:
+            return ", ".join(row["failures"]) or "-"
+        return _failure_counts(row["failures"], status_of)
+
     by_shape: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
     for r in report["rows"]:
         by_shape[f"{r['family']} {r['dtype']}"].append(r)
@@ -92,7 +102,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
                 f"| {r['tokens']} | {r['routing_class']} | {_fmt(r['baseline_median_us'], '.3f')} "
                 f"| {_fmt(r['best_median_us'], '.3f')} | {_fmt(r['speedup'], '.4f')} "
                 f"| {_fmt(r['noise_band'], '.4f')} | {'yes' if r['verified'] else 'no'} "
-                f"| {_fmt(r['floor_fraction'], '.3f')} | {_failure_counts(r['failures'], status_of)} |"
+                f"| {_fmt(r['floor_fraction'], '.3f')} | {failures(r)} |"
             )
     out += ["", "## Failures", ""]
     if not report["failures"]:
