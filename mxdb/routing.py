@@ -152,7 +152,7 @@ def _npy_header(data: bytes, where: str) -> tuple[tuple[int, ...], Any]:
             shape, _, dtype = npy_format.read_array_header_2_0(fh)
         else:
             raise ValueError(f"unsupported .npy format version {version}")
-    except (ValueError, OSError, SyntaxError, TypeError, OverflowError) as exc:
+    except Exception as exc:  # numpy's header parser raises many kinds on hostile bytes
         raise TraceError(f"cannot read {where!r} as a .npy array: {exc}") from None
     if dtype.hasobject:
         raise TraceError(f"{where!r} holds Python objects; a trace is an integer .npy array")
@@ -194,7 +194,7 @@ def _read_file(path: Path) -> tuple[IdArray, int | None]:
             raise _fail(f"{where} is empty (shape {shape}): it holds no expert ids")
         try:
             arr = np.load(io.BytesIO(raw), allow_pickle=False)
-        except (OSError, ValueError, EOFError) as exc:
+        except Exception as exc:  # the header was checked; the body can still be damaged
             raise TraceError(f"cannot read {where!r} as a .npy array: {exc}") from None
         return _from_array(arr, where), None
     data = parse_json(raw, what=f"trace file {where!r}", error=TraceError)
