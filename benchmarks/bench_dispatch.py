@@ -4,20 +4,26 @@ Measures, on a real SQLite store:
   * opening the store and building a dispatcher (median of repeats);
   * the first lookup of a new key (a shape family not seen yet: one store query);
   * the first lookup of a new token count in a family already read (in memory);
-  * the hit path of ``mxdb.dispatch(shape, routing_class)``: p50 and p99 per call, from batches
-    of 1,000 calls each timed with ``perf_counter_ns`` (per-call timers would add more than
-    they measure).
+  * the hit path of ``mxdb.dispatch(shape, routing_class)`` while another process keeps
+    writing entries to the same store (so the dispatcher's background refresher re-reads
+    the store every ``--refresh-interval`` seconds): every call timed on its own with
+    ``perf_counter_ns``, reported as p50, p99 and p99.9 over all calls (no batch averages).
+    The figures include one timer read per call; its own cost (an empty timed pair) is
+    reported beside them.
 
-Targets on a 2-core machine: hit p50 <= 0.5 us, first lookup <= 200 us, open <= 100 ms.
-Prints a table and writes the figures as JSON (default benchmarks/results/bench_dispatch.json).
+Targets on a 2-core machine: hit p50 <= 0.3 us and p99.9 <= 5 us under the writer, first
+lookup <= 200 us, open <= 100 ms.  Prints a table and writes the figures as JSON (default
+benchmarks/results/bench_dispatch.json).
 
-    python benchmarks/bench_dispatch.py [--entries 100000] [--out FILE]
+    python benchmarks/bench_dispatch.py [--entries 100000] [--calls 10000000] [--out FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import array
 import gc
+import multiprocessing
 import platform
 import statistics
 import tempfile
@@ -117,6 +123,59 @@ def build(url: str, n: int) -> list[MoEShape]:
     return shapes
 
 
+def writer(url: str, stop: multiprocessing.synchronize.Event, period_s: float) -> None:
+    """Another process: add one entry of a family nobody dispatches every ``period_s``."""
+    store = Store.open(url)
+    cfg = KernelConfig.uniform(GemmConfig(block_m=16, block_n=64, block_k=64))
+    i = 0
+    while not stop.is_set():
+        s = MoEShape(7, 4096, 777, 2, 1 + i, "bf16")
+        store.add_entries(
+            [
+                Entry(
+                    op=s.op,
+                    dtype=s.dtype,
+                    family=s.family,
+                    dims=s.dims(),
+                    tokens=s.tokens,
+                    routing_class="uniform",
+                    config=cfg.model_dump(),
+                    config_hash=cfg.hash,
+                    fingerprint_hash=FP.hash,
+                    device_name=FP.device_name,
+                    status="verified",
+                    source="bench-writer",
+                    speedup=1.01,
+                    noise_band=0.01,
+                )
+            ]
+        )
+        i += 1
+        time.sleep(period_s)
+    store.close()
+
+
+def per_call_ns(dispatch: object, hot: MoEShape, calls: int) -> array.array[int]:
+    """Each call of ``dispatch(hot, 'uniform')`` timed on its own (ns, timer read included)."""
+    fn = dispatch  # type: ignore[assignment]
+    clock = time.perf_counter_ns
+    out = array.array("q", bytes(8 * calls))
+    for i in range(calls):
+        t0 = clock()
+        fn(hot, "uniform")  # type: ignore[operator]
+        out[i] = clock() - t0
+    return out
+
+
+def timer_ns(calls: int) -> array.array[int]:
+    clock = time.perf_counter_ns
+    out = array.array("q", bytes(8 * calls))
+    for i in range(calls):
+        t0 = clock()
+        out[i] = clock() - t0
+    return out
+
+
 def pct(values: list[float], q: float) -> float:
     s = sorted(values)
     return s[min(len(s) - 1, round(q / 100 * (len(s) - 1)))]
@@ -127,6 +186,13 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--entries", type=int, default=100_000)
+    ap.add_argument("--calls", type=int, default=10_000_000, help="timed hit-path calls")
+    ap.add_argument(
+        "--refresh-interval", type=float, default=0.1, help="dispatcher refresh interval (s)"
+    )
+    ap.add_argument(
+        "--writer-period", type=float, default=0.01, help="seconds between the writer's writes"
+    )
     ap.add_argument(
         "--out", type=Path, default=Path(__file__).parent / "results" / "bench_dispatch.json"
     )
@@ -147,7 +213,9 @@ def main() -> None:
             store.close()
 
         store = Store.open(url)
-        disp = mxdb.configure(store, fingerprint=FP, options=DispatchOptions(refresh_interval=1.0))
+        disp = mxdb.configure(
+            store, fingerprint=FP, options=DispatchOptions(refresh_interval=args.refresh_interval)
+        )
         first_family_us = []
         for shape in shapes[:300]:
             s = shape.with_tokens(64)
@@ -165,16 +233,32 @@ def main() -> None:
         hot = shapes[0].with_tokens(64)
         dispatch = mxdb.dispatch
         assert dispatch(hot, "uniform").level == "exact"
-        batch, batches = 1000, 400
-        per_call_ns = []
+        gen0 = store.generation()
+        ctx = multiprocessing.get_context("spawn")
+        stop = ctx.Event()
+        proc = ctx.Process(target=writer, args=(url, stop, args.writer_period), daemon=True)
+        proc.start()
+        while store.generation() == gen0:  # the writer is writing
+            time.sleep(0.01)
         gc.disable()
-        for _ in range(batches):
-            t0 = time.perf_counter_ns()
-            for _ in range(batch):
-                dispatch(hot, "uniform")
-            per_call_ns.append((time.perf_counter_ns() - t0) / batch)
+        t0 = time.perf_counter()
+        samples = per_call_ns(dispatch, hot, args.calls)
+        measure_s = time.perf_counter() - t0
+        timer = timer_ns(min(args.calls, 1_000_000))
         gc.enable()
+        stop.set()
+        proc.join(30)
+        writes = store.generation() - gen0
+        seen_writes = disp._generation - gen0
+        assert dispatch(hot, "uniform").level == "exact"
+        disp.close()
         store.close()
+
+    hit = sorted(samples)
+    timer_sorted = sorted(timer)
+
+    def q(values: list[int], p: float) -> float:
+        return values[min(len(values) - 1, int(p / 100 * len(values)))] / 1e3
 
     result = {
         "benchmark": "bench_dispatch",
@@ -196,14 +280,27 @@ def main() -> None:
             "p99": round(pct(first_key_us, 99), 1),
         },
         "hit_us": {
-            "p50": round(pct(per_call_ns, 50) / 1e3, 3),
-            "p99": round(pct(per_call_ns, 99) / 1e3, 3),
-            "method": f"{batches} batches of {batch} calls of mxdb.dispatch(shape, 'uniform')",
+            "p50": round(q(hit, 50), 3),
+            "p99": round(q(hit, 99), 3),
+            "p99_9": round(q(hit, 99.9), 3),
+            "max": round(hit[-1] / 1e3, 1),
+            "calls": len(hit),
+            "seconds": round(measure_s, 2),
+            "method": "every call of mxdb.dispatch(shape, 'uniform') timed on its own with "
+            "perf_counter_ns (one timer read included), while another process wrote entries",
         },
-        "targets": {"hit_p50_us": 0.5, "first_lookup_us": 200, "open_ms": 100},
+        "timer_us": {"p50": round(q(timer_sorted, 50), 3), "p99": round(q(timer_sorted, 99), 3)},
+        "concurrent_writer": {
+            "period_s": args.writer_period,
+            "writes_during_run": writes,
+            "refresh_interval_s": args.refresh_interval,
+            "writes_seen_by_dispatcher": seen_writes,
+        },
+        "targets": {"hit_p50_us": 0.3, "hit_p99_9_us": 5.0, "first_lookup_us": 200, "open_ms": 100},
     }
     result["meets_targets"] = {
-        "hit_p50": result["hit_us"]["p50"] <= 0.5,
+        "hit_p50": result["hit_us"]["p50"] <= 0.3,
+        "hit_p99_9": result["hit_us"]["p99_9"] <= 5.0,
         "first_lookup": result["first_lookup_new_family_us"]["p50"] <= 200,
         "open": result["open_ms"]["median"] <= 100,
     }
@@ -219,9 +316,20 @@ def main() -> None:
         f"first lookup, new key     p50 {result['first_lookup_new_key_us']['p50']:8.1f} us  "
         f"p99 {result['first_lookup_new_key_us']['p99']:8.1f} us"
     )
+    h = result["hit_us"]
     print(
-        f"hit path                  p50 {result['hit_us']['p50']:8.3f} us  "
-        f"p99 {result['hit_us']['p99']:8.3f} us   (target p50 <= 0.5 us)"
+        f"hit path, writer running  p50 {h['p50']:8.3f} us  p99 {h['p99']:8.3f} us  "
+        f"p99.9 {h['p99_9']:8.3f} us  max {h['max']:.1f} us over {h['calls']:,} calls "
+        "(targets p50 <= 0.3 us, p99.9 <= 5 us)"
+    )
+    print(
+        f"timer read alone          p50 {result['timer_us']['p50']:8.3f} us  "
+        f"(included in the figures above)"
+    )
+    w = result["concurrent_writer"]
+    print(
+        f"writer: {w['writes_during_run']} writes during the run; the dispatcher saw "
+        f"{w['writes_seen_by_dispatcher']} (refresh every {w['refresh_interval_s']} s)"
     )
     atomic_write_json(args.out, result)
     print(f"wrote {args.out}")

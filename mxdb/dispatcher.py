@@ -1,11 +1,13 @@
 """Confidence dispatch: the verified config for a call, or the safe fallback and why.
 
-The hot path is one monotonic-clock read and one dict lookup keyed by
-``(shape, routing_class)``.  A miss resolves the key from an in-memory copy of
-the shape family's store rows (one query per family, then cached).  The
-store's generation counter is polled at most every ``refresh_interval``
-seconds, so entries written by another process become visible without a
-query per call.
+The hot path is one dict lookup keyed by ``(shape, routing_class)``.  A miss
+resolves the key from an in-memory copy of the shape family's store rows (one
+query per family, then cached).  Store refreshes happen off the call path: a
+background thread polls the store's generation counter every
+``refresh_interval`` seconds and, when it changed, re-reads the families and
+re-resolves the keys already cached, then swaps the new caches in at once; a
+call never waits for the store.  (``refresh_interval=0`` asks for the old
+behaviour: a synchronous check on every call, for tests and tools.)
 
 The rule (DESIGN section 6): an entry may answer only when it is verified, its
 environment fingerprint matches the current one under the policy, it has the
@@ -25,9 +27,9 @@ import math
 import os
 import sys
 import threading
-import time
+import weakref
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from mxdb.decision import EXACT, NEIGHBOUR, Decision, fallback
@@ -38,7 +40,6 @@ from mxdb.ops import parse_config
 if TYPE_CHECKING:
     from mxdb.store import DispatchRow, Store
 
-_monotonic = time.monotonic
 
 #: Confidence of each way of answering (times a token-distance factor for neighbours).
 CONFIDENCE_EXACT = 1.0
@@ -101,13 +102,18 @@ class Dispatcher:
         #: kept in the per-key cache itself, so a call with no override costs nothing more.
         self._overrides: dict[tuple[Any, Any], Decision] = {}
         self._generation = store.generation() if store is not None else 0
-        self._deadline = _monotonic() + self.options.refresh_interval
+        #: refresh_interval == 0: check the generation synchronously on every call
+        self._sync = self.options.refresh_interval == 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if store is not None and not self._sync:
+            self._start_refresher()
 
     # -- hot path -----------------------------------------------------------------
 
     def dispatch(self, shape: Any, routing: Any = None) -> Decision:
         """The decision for ``shape`` under ``routing`` (a routing class name, features, or None)."""
-        if _monotonic() >= self._deadline:
+        if self._sync:
             self._poll()
         try:
             decision = self._cache.get((shape, routing))
@@ -122,17 +128,56 @@ class Dispatcher:
     # -- cache maintenance ------------------------------------------------------------
 
     def _poll(self) -> None:
+        """Synchronous check (``refresh_interval=0`` only): drop the caches on a change."""
         with self._lock:
-            now = _monotonic()
-            if now < self._deadline:
-                return
-            self._deadline = now + self.options.refresh_interval
             if self.store is None:
                 return
             generation = self.store.generation()
             if generation != self._generation:
                 self._generation = generation
                 self._invalidate()
+
+    def _start_refresher(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(
+            target=_refresh_loop,
+            args=(weakref.ref(self), self._stop, self.options.refresh_interval),
+            name="mxdb-dispatch-refresh",
+            daemon=True,
+        )
+        self._thread.start()
+        _live.add(self)
+
+    def close(self) -> None:
+        """Stop the background refresher (the dispatcher keeps answering from its caches)."""
+        self._stop.set()
+
+    def refresh_now(self) -> bool:
+        """One background refresh step; returns whether the store had changed.
+
+        Runs on the refresher thread: every query and every re-resolution happens here,
+        into new caches that are swapped in under the lock at the end, so calls keep
+        being answered from the old caches meanwhile.
+        """
+        if self.store is None:
+            return False
+        generation = self.store.generation()
+        if generation == self._generation:
+            return False
+        shadow = Dispatcher(None, self.fingerprint, replace(self.options, refresh_interval=0))
+        shadow.store = self.store
+        shadow._configs = self._configs  # configs are keyed by hash: never change
+        with self._lock:
+            keys = [k for k in self._cache if k not in self._overrides]
+        for shape, routing in keys:
+            shadow._miss(shape, routing)
+        with self._lock:
+            self._cache = {**shadow._cache, **self._overrides}
+            self._families = shadow._families
+            self._fingerprints = shadow._fingerprints
+            self._match_cache = shadow._match_cache
+            self._generation = generation
+        return True
 
     def _invalidate(self) -> None:
         self._cache = dict(self._overrides)
@@ -146,7 +191,6 @@ class Dispatcher:
             if self.store is not None:
                 self._generation = self.store.generation()
             self._invalidate()
-            self._deadline = _monotonic() + self.options.refresh_interval
 
     # -- overrides and ranked alternatives (online self-healing) ---------------------------
 
@@ -401,6 +445,37 @@ class Dispatcher:
                 ok = other is not None and matches(other, self.fingerprint, self.options.policy)
             self._match_cache[fingerprint_hash] = ok
         return ok
+
+
+# -- the background refresher ----------------------------------------------------------
+
+#: Dispatchers with a refresher thread, so that a forked child restarts theirs.
+_live: weakref.WeakSet[Dispatcher] = weakref.WeakSet()
+
+
+def _refresh_loop(
+    ref: weakref.ReferenceType[Dispatcher], stop: threading.Event, interval: float
+) -> None:
+    """Poll the store every ``interval`` seconds while the dispatcher lives; never raise."""
+    while not stop.wait(interval):
+        d = ref()
+        if d is None:
+            return
+        try:
+            d.refresh_now()
+        except Exception:  # a store that went away: keep the caches, try again later
+            pass
+        del d
+
+
+def _restart_after_fork() -> None:
+    for d in list(_live):
+        if d._thread is not None and not d._stop.is_set():
+            d._start_refresher()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_restart_after_fork)
 
 
 # -- the process-wide default ----------------------------------------------------------

@@ -56,9 +56,21 @@ class NotFoundError(MxdbError):
     """A requested record (entry, fingerprint, bundle, file) does not exist."""
 
 
+class StoreNotFoundError(StoreError, NotFoundError):
+    """A command that only reads was pointed at a store that does not exist (none is created)."""
+
+
 class EvidenceError(MxdbError):
     """An evidence bundle cannot be written or read as a whole."""
 
 
 class GpuUnavailableError(MxdbError):
     """The operation needs a GPU with torch, triton and flag_gems, and none is usable here."""
+
+
+class OutputError(MxdbError):
+    """An output file or folder cannot be written: a full disk, no permission, a read-only disk."""
+
+
+class OutputPathError(OutputError, UsageError):
+    """An output path cannot be used at all: a part of it is a file, it is a folder, a bad name."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata as metadata
 import importlib.util
-import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -261,6 +260,11 @@ def parse_fingerprint(data: Any, *, source: str = "fingerprint") -> Fingerprint:
         )
     body = dict(data)
     claimed = body.pop("hash", None)
+    if not any(v is not None for v in body.values()):
+        raise InvalidInputError(
+            f"{source}: the fingerprint names no component; record one with "
+            f"`mxdb fingerprint --json` (components: {', '.join(FINGERPRINT_COMPONENTS)})"
+        )
     unknown = sorted(set(body) - set(FINGERPRINT_COMPONENTS))
     if unknown:
         raise InvalidInputError(
@@ -283,20 +287,13 @@ def parse_fingerprint(data: Any, *, source: str = "fingerprint") -> Fingerprint:
 
 def load_fingerprint(path: str | os.PathLike[str]) -> Fingerprint:
     """Read a fingerprint JSON file (the output of ``mxdb fingerprint --json``)."""
+    from mxdb.fileio import MAX_SMALL_BYTES, parse_json, read_bytes
+
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise NotFoundError(f"fingerprint file {str(p)!r} does not exist") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InvalidInputError(f"cannot read fingerprint file {str(p)!r}: {exc}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InvalidInputError(
-            f"fingerprint file {str(p)!r} is not valid JSON ({exc}); "
-            "write it with `mxdb fingerprint --json > FILE`"
-        ) from None
+    if not p.exists() and not p.is_symlink():
+        raise NotFoundError(f"fingerprint file {str(p)!r} does not exist")
+    raw = read_bytes(p, limit=MAX_SMALL_BYTES, what="fingerprint file")
+    data = parse_json(raw, what=f"fingerprint file {str(p)!r}")
     return parse_fingerprint(data, source=str(p))
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from mxdb.errors import EvidenceError, NotFoundError
 from mxdb.evidence.files import atomic_write, dumps
 from mxdb.evidence.models import SCHEMA_VERSION
+from mxdb.fileio import load_json
 
 
 def build_report(summary: Mapping[str, Any]) -> dict[str, Any]:
@@ -57,8 +58,12 @@ def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None else format(x, spec)
 
 
-def render_markdown(report: Mapping[str, Any]) -> str:
-    """The report as Markdown: a table per shape, every failure listed."""
+def render_markdown(report: Mapping[str, Any], *, failure_ids: bool = False) -> str:
+    """The report as Markdown: a table per shape, every failure listed.
+
+    ``failure_ids``: each row's failures as run ids, the form reports had before they
+    showed counts by status (the audit accepts either rendering of report.json).
+    """
     out = [f"# Milestone {report['milestone']}", ""]
     out.append(f"Environment fingerprint `{report['fingerprint_hash']}`.")
     c = report["counts"]
@@ -76,6 +81,12 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         "max/min - 1 of the group's control pairs; verified when speedup - 1 > noise band."
     )
     status_of = {f["run_id"]: f["status"] for f in report["failures"]}
+
+    def failures(row: Mapping[str, Any]) -> str:
+        if failure_ids:
+            return ", ".join(row["failures"]) or "-"
+        return _failure_counts(row["failures"], status_of)
+
     by_shape: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
     for r in report["rows"]:
         by_shape[f"{r['family']} {r['dtype']}"].append(r)
@@ -91,7 +102,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
                 f"| {r['tokens']} | {r['routing_class']} | {_fmt(r['baseline_median_us'], '.3f')} "
                 f"| {_fmt(r['best_median_us'], '.3f')} | {_fmt(r['speedup'], '.4f')} "
                 f"| {_fmt(r['noise_band'], '.4f')} | {'yes' if r['verified'] else 'no'} "
-                f"| {_fmt(r['floor_fraction'], '.3f')} | {_failure_counts(r['failures'], status_of)} |"
+                f"| {_fmt(r['floor_fraction'], '.3f')} | {failures(r)} |"
             )
     out += ["", "## Failures", ""]
     if not report["failures"]:
@@ -109,15 +120,33 @@ def _failure_counts(run_ids: list[str], status_of: Mapping[str, str]) -> str:
     return ", ".join(f"{status} {n}" for status, n in sorted(counts.items())) or "-"
 
 
-def _plot(report: Mapping[str, Any], out_dir: Path) -> list[Path]:
+def _matplotlib() -> Any:
+    """matplotlib with the Agg backend, or an error that says what is wrong and what to do."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("matplotlib")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None:
+        raise EvidenceError(
+            "the plots of mxdb report are drawn with matplotlib, which is not installed here; "
+            "install it (pip install 'mxdb[plot]'), or pass --no-plots to write report.md and "
+            "report.json only; nothing was written"
+        )
     try:
         import matplotlib
-    except ImportError:
+    except Exception as exc:  # installed but broken: say so rather than "not installed"
         raise EvidenceError(
-            "plots need matplotlib, which is not installed; install the extra "
-            "(pip install 'mxdb[plot]') or pass --no-plots"
+            f"matplotlib is installed but cannot be imported ({type(exc).__name__}: {exc}); "
+            "repair it (pip install --force-reinstall matplotlib), or pass --no-plots; "
+            "nothing was written"
         ) from None
     matplotlib.use("Agg")
+    return matplotlib
+
+
+def _plot(report: Mapping[str, Any], out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     written = []
@@ -167,9 +196,19 @@ def write_report(bundle: Path, out_dir: Path, *, plots: bool = True) -> list[Pat
         raise NotFoundError(
             f"no summary.json in {bundle}; give the directory of a finished evidence bundle"
         )
-    claimed = json.loads(summary_path.read_bytes())
-    summary = build_summary(bundle, bandwidth_bytes_per_s=claimed.get("bandwidth_bytes_per_s"))
-    rep = build_report(summary)
+    if plots:
+        _matplotlib()  # before anything is written
+    claimed = load_json(summary_path, what="summary", error=EvidenceError)
+    if not isinstance(claimed, dict):
+        raise EvidenceError(f"{summary_path} is not a JSON object")
+    try:
+        summary = build_summary(bundle, bandwidth_bytes_per_s=claimed.get("bandwidth_bytes_per_s"))
+        rep = build_report(summary)
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, ZeroDivisionError) as exc:
+        raise EvidenceError(
+            f"the bundle {bundle} is malformed ({type(exc).__name__}: {exc}); "
+            f"run `mxdb audit {bundle}` for the details"
+        ) from None
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     atomic_write(out_dir / "report.json", dumps(rep))

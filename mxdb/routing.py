@@ -22,8 +22,12 @@ from pydantic import BaseModel, ConfigDict
 
 from mxdb.errors import TraceError, UsageError
 from mxdb.models import ROUTING_CLASSES  # noqa: F401  (the classes classify returns)
+from mxdb.shapes import MAX_EXPERTS
 
 IdArray = npt.NDArray[np.int64]
+
+#: Most ids (tokens x k) one trace may hold.
+MAX_TRACE_IDS = 1 << 24
 
 ACCEPTED_FORM = (
     "a [M, k] array of integer expert ids (M tokens, k distinct experts each): "
@@ -66,6 +70,11 @@ def _from_nested(rows: Any, where: str) -> IdArray:
             )
         raise _fail(f"{where}: row 0 is a {type(rows[0]).__name__}, not a list of ids")
     k = len(rows[0])
+    if len(rows) * max(k, 1) > MAX_TRACE_IDS:
+        raise _fail(
+            f"{where} has {len(rows):,} rows of {k} ids, above the limit of "
+            f"{MAX_TRACE_IDS:,} ids per trace"
+        )
     for i, row in enumerate(rows):
         if not isinstance(row, (list, tuple)):
             raise _fail(f"{where}: row {i} is a {type(row).__name__}, not a list of ids")
@@ -78,6 +87,11 @@ def _from_nested(rows: Any, where: str) -> IdArray:
                 raise _fail(
                     f"{where}: row {i}, column {j} is {v!r} ({type(v).__name__}), "
                     "not an integer expert id"
+                )
+            if not -MAX_EXPERTS <= v <= MAX_EXPERTS:
+                raise _fail(
+                    f"{where}: row {i}, column {j} is {v!r}, beyond any expert id "
+                    f"(at most {MAX_EXPERTS:,} experts)"
                 )
     if k == 0:
         raise _fail(f"{where} has {len(rows)} rows of 0 ids (k = 0)")
@@ -123,44 +137,87 @@ def _from_array(arr: npt.NDArray[Any], where: str) -> IdArray:
     raise _fail(f"{where} holds {arr.dtype} values, not integer expert ids")
 
 
+def _npy_header(data: bytes, where: str) -> tuple[tuple[int, ...], Any]:
+    """Shape and dtype from a .npy header, checked against the limits before any array is built."""
+    import io
+
+    from numpy.lib import format as npy_format
+
+    fh = io.BytesIO(data)
+    try:
+        version = npy_format.read_magic(fh)
+        if version == (1, 0):
+            shape, _, dtype = npy_format.read_array_header_1_0(fh)
+        elif version in ((2, 0), (3, 0)):
+            shape, _, dtype = npy_format.read_array_header_2_0(fh)
+        else:
+            raise ValueError(f"unsupported .npy format version {version}")
+    except Exception as exc:  # numpy's header parser raises many kinds on hostile bytes
+        raise TraceError(f"cannot read {where!r} as a .npy array: {exc}") from None
+    if dtype.hasobject:
+        raise TraceError(f"{where!r} holds Python objects; a trace is an integer .npy array")
+    count = 1
+    for n in shape:
+        count *= int(n)
+    if count > MAX_TRACE_IDS:
+        raise TraceError(
+            f"{where!r} claims shape {tuple(shape)} ({count:,} ids), above the limit of "
+            f"{MAX_TRACE_IDS:,} ids per trace"
+        )
+    if count * dtype.itemsize > len(data) - fh.tell():
+        raise TraceError(
+            f"{where!r} claims shape {tuple(shape)} of {dtype} but holds only "
+            f"{len(data) - fh.tell():,} bytes of data (truncated file)"
+        )
+    return tuple(int(n) for n in shape), dtype
+
+
 def _read_file(path: Path) -> tuple[IdArray, int | None]:
+    from mxdb.fileio import MAX_TRACE_BYTES, parse_json, read_bytes
+
     where = str(path)
-    if not path.exists():
-        raise TraceError(f"trace file {where!r} does not exist")
     suffix = path.suffix.lower()
+    if suffix not in (".npy", ".json"):
+        if not path.exists():
+            raise TraceError(f"trace file {where!r} does not exist")
+        raise TraceError(
+            f"trace file {where!r} has suffix {suffix or '(none)'!r}; use a .json or .npy file"
+        )
+    raw = read_bytes(path, limit=MAX_TRACE_BYTES, what="trace file", error=TraceError)
+    if not raw:
+        raise _fail(f"trace file {where} is empty (0 bytes)")
     if suffix == ".npy":
+        import io
+
+        shape, _ = _npy_header(raw, where)
+        if 0 in shape:
+            raise _fail(f"{where} is empty (shape {shape}): it holds no expert ids")
         try:
-            arr = np.load(path, allow_pickle=False)
-        except (OSError, ValueError) as exc:
+            arr = np.load(io.BytesIO(raw), allow_pickle=False)
+        except Exception as exc:  # the header was checked; the body can still be damaged
             raise TraceError(f"cannot read {where!r} as a .npy array: {exc}") from None
         return _from_array(arr, where), None
-    if suffix == ".json":
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError) as exc:
-            raise TraceError(f"cannot read trace file {where!r}: {exc}") from None
-        except json.JSONDecodeError as exc:
-            raise TraceError(f"trace file {where!r} is not valid JSON: {exc}") from None
-        experts = None
-        if isinstance(data, dict):
-            if "topk_ids" not in data:
-                raise _fail(
-                    f'{where} is a JSON object without a "topk_ids" key '
-                    f"(keys: {', '.join(sorted(map(str, data))) or 'none'})"
+    data = parse_json(raw, what=f"trace file {where!r}", error=TraceError)
+    experts = None
+    if isinstance(data, dict):
+        key = next((k for k in ("topk_ids", "ids") if k in data), None)
+        if key is None:
+            raise _fail(
+                f'{where} is a JSON object without a "topk_ids" (or "ids") key '
+                f"(keys: {', '.join(sorted(map(str, data))) or 'none'})"
+            )
+        raw_e = data.get("experts")
+        if raw_e is not None:
+            if not _is_int_value(raw_e) or int(raw_e) < 1:
+                raise TraceError(f'{where}: "experts" must be a positive integer, got {raw_e!r}')
+            if int(raw_e) > MAX_EXPERTS:
+                raise TraceError(
+                    f'{where}: "experts" is {int(raw_e):,}, above the limit of {MAX_EXPERTS:,}'
                 )
-            raw_e = data.get("experts")
-            if raw_e is not None:
-                if not _is_int_value(raw_e) or int(raw_e) < 1:
-                    raise TraceError(
-                        f'{where}: "experts" must be a positive integer, got {raw_e!r}'
-                    )
-                experts = int(raw_e)
-            data = data["topk_ids"]
-            where = f"{where}: topk_ids"
-        return _from_nested(data, where), experts
-    raise TraceError(
-        f"trace file {where!r} has suffix {suffix or '(none)'!r}; use a .json or .npy file"
-    )
+            experts = int(raw_e)
+        data = data[key]
+        where = f"{where}: {key}"
+    return _from_nested(data, where), experts
 
 
 def load_topk(
@@ -203,6 +260,8 @@ def load_topk(
     bound = experts if experts is not None else file_experts
     if bound is not None and (isinstance(bound, bool) or bound < 1):
         raise UsageError(f"experts must be a positive integer, got {bound!r}")
+    if bound is not None and bound > MAX_EXPERTS:
+        raise UsageError(f"experts is {bound:,}, above the limit of {MAX_EXPERTS:,}")
     return validate_ids(ids, experts=bound, topk=topk)
 
 
@@ -310,6 +369,8 @@ def features(ids: Any, experts: int, align_block: int = 16) -> RoutingFeatures:
     if isinstance(align_block, bool) or align_block < 1:
         raise UsageError(f"align_block must be a positive integer, got {align_block!r}")
     experts = int(experts)
+    if experts > MAX_EXPERTS:
+        raise UsageError(f"experts is {experts:,}, above the limit of {MAX_EXPERTS:,}")
     if isinstance(ids, np.ndarray) and ids.dtype == np.int64 and ids.ndim == 2:
         arr = validate_ids(ids, experts=experts)
     else:

@@ -46,7 +46,7 @@ def dispatch_once(
         routing_class = feats.routing_class
         features = feats.to_dict()
     fingerprint = load_fingerprint(fingerprint_file) if fingerprint_file else current_fingerprint()
-    with Store.open(db) as store:
+    with Store.open(db, create=False) as store:
         dispatcher = Dispatcher(store, fingerprint, DispatchOptions(policy=policy))
         decision = dispatcher.resolve(shape, routing_class)
     out: dict[str, Any] = {
@@ -65,7 +65,7 @@ def store_info(db: str | None) -> dict[str, Any]:
     """URL, schema revision and counts of the store."""
     from mxdb.store import Store
 
-    with Store.open(db) as store:
+    with Store.open(db, create=False) as store:
         by_status = store.count_entries()
         return {
             "url": store.url,

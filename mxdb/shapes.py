@@ -31,6 +31,17 @@ DTYPE_BYTES: dict[str, int] = {"fp16": 2, "bf16": 2, "fp32": 4}
 
 MOE_OP = "fused_moe"
 
+#: Largest value each dimension of a shape may take (checked when a shape is built, so that a
+#: hostile size never reaches an allocation or a database column).
+MAX_EXPERTS = 65_536
+MAX_DIMS: dict[str, int] = {
+    "experts": MAX_EXPERTS,
+    "hidden": 1 << 20,
+    "intermediate": 1 << 20,
+    "topk": 1024,
+    "tokens": 1 << 24,
+}
+
 
 def canonical_dtype(dtype: object) -> str:
     """Return the canonical name (fp16, bf16, fp32) of ``dtype``, given as a string or torch dtype."""
@@ -59,6 +70,9 @@ def _positive_int(name: str, value: object) -> int:
             raise ShapeError(f"{name} must be a positive integer, got {value!r}")
     if as_int <= 0:
         raise ShapeError(f"{name} must be a positive integer, got {value}")
+    limit = MAX_DIMS.get(name)
+    if limit is not None and as_int > limit:
+        raise ShapeError(f"{name} is {as_int:,}, above the limit of {limit:,}")
     return as_int
 
 

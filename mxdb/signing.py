@@ -15,11 +15,10 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
-import json
 import os
 from pathlib import Path
 
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
@@ -27,6 +26,7 @@ from mxdb.audit.findings import Finding
 from mxdb.errors import InvalidInputError, NotFoundError, UsageError
 from mxdb.evidence.files import MANIFEST_NAME, SIGNATURES_DIR, atomic_write, dumps
 from mxdb.evidence.models import SignatureDoc
+from mxdb.fileio import MAX_SMALL_BYTES, load_json, read_bytes
 
 PREFIX = b"mxdb-manifest-sha256:"
 
@@ -64,10 +64,11 @@ def keygen(out: Path) -> tuple[Path, Path]:
 
 def _load_private(path: Path) -> Ed25519PrivateKey:
     try:
-        key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
-    except FileNotFoundError:
-        raise NotFoundError(f"no key file {path}; make one with mxdb keygen --out FILE") from None
-    except (ValueError, TypeError) as exc:
+        if not Path(path).exists():
+            raise NotFoundError(f"no key file {path}; make one with mxdb keygen --out FILE")
+        data = read_bytes(path, limit=MAX_SMALL_BYTES, what="key file")
+        key = serialization.load_pem_private_key(data, password=None)
+    except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
         raise InvalidInputError(f"{path} is not an unencrypted PEM private key: {exc}") from None
     if not isinstance(key, Ed25519PrivateKey):
         raise InvalidInputError(f"{path} holds a {type(key).__name__}; an Ed25519 key is needed")
@@ -82,8 +83,10 @@ def load_trusted_keys(directory: Path) -> dict[str, Ed25519PublicKey]:
     keys: dict[str, Ed25519PublicKey] = {}
     for p in sorted(directory.glob("*.pub")):
         try:
-            pub = serialization.load_pem_public_key(p.read_bytes())
-        except ValueError as exc:
+            pub = serialization.load_pem_public_key(
+                read_bytes(p, limit=MAX_SMALL_BYTES, what="trusted key")
+            )
+        except (ValueError, UnsupportedAlgorithm) as exc:
             raise InvalidInputError(f"trusted key {p} is not a PEM public key: {exc}") from None
         if not isinstance(pub, Ed25519PublicKey):
             raise InvalidInputError(f"trusted key {p} is not an Ed25519 key")
@@ -148,13 +151,13 @@ def check_signatures(
     for p in sig_files:
         rel = f"{SIGNATURES_DIR}/{p.name}"
         try:
-            doc = json.loads(p.read_bytes())
+            doc = load_json(p, what="signature file", limit=MAX_SMALL_BYTES)
             if not isinstance(doc, dict) or (val is not None and not val.is_valid(doc)):
                 raise ValueError("not an mxdb.signature document")
             raw = base64.b64decode(doc["public_key"], validate=True)
             sig = base64.b64decode(doc["signature"], validate=True)
             pub = Ed25519PublicKey.from_public_bytes(raw)
-        except (ValueError, KeyError, binascii.Error) as exc:
+        except (ValueError, KeyError, binascii.Error, InvalidInputError) as exc:
             add(
                 "signature.malformed",
                 rel,

@@ -26,7 +26,7 @@ from mxdb.interop.export import (
 from mxdb.models import Entry, Fingerprint
 from mxdb.store import Store
 
-PEERS = Path(__file__).resolve().parents[2] / "shared" / "peers" / "vllm_h200"
+PEERS = Path(__file__).resolve().parent / "data" / "vllm_configs"
 MIXTRAL = PEERS / "E=8,N=14336,device_name=NVIDIA_H200.json"
 FP = Fingerprint(vendor="nvidia", device_name="NVIDIA H200", triton="3.6.0", flag_gems="5.0.2")
 
@@ -55,7 +55,6 @@ def test_parse_table_names() -> None:
         vllm.parse_table_name("mixtral.json")
 
 
-@pytest.mark.skipif(not PEERS.is_dir(), reason="../shared/peers/vllm_h200 not present")
 def test_import_peer_tables_as_unverified(store: Store) -> None:
     report = import_vllm(store, [PEERS])
     assert report.files == len(list(PEERS.glob("E=*.json")))
@@ -75,7 +74,6 @@ def test_import_peer_tables_as_unverified(store: Store) -> None:
     assert import_vllm(store, [PEERS]).added == 0
 
 
-@pytest.mark.skipif(not PEERS.is_dir(), reason="../shared/peers/vllm_h200 not present")
 def test_vllm_round_trip_is_unchanged(store: Store, tmp_path: Path) -> None:
     import_vllm(store, [MIXTRAL])
     ids = [e.id for e in store.entries(source="vllm", dtype="bf16") if e.id is not None]
@@ -213,7 +211,6 @@ def test_vllm_and_flaggems_render_parse_round_trip(
     assert flaggems.parse(flaggems.render(nested)) == nested
 
 
-@pytest.mark.skipif(not PEERS.is_dir(), reason="../shared/peers/vllm_h200 not present")
 def test_cli_import_export(tmp_path: Path) -> None:
     db = f"sqlite:///{tmp_path / 'cli.sqlite'}"
     tables = tmp_path / "tables"

@@ -77,10 +77,11 @@ def test_cpu_commands_load_no_gpu_package(guarded_env: dict[str, str], tmp_path:
         "--dtype",
         "bf16",
     ]
-    vllm_dir = Path(__file__).resolve().parents[2] / "shared" / "peers" / "vllm_h200"
+    vllm_dir = Path(__file__).resolve().parent / "data" / "vllm_configs"
     bundle = tmp_path / "empty-bundle"
     bundle.mkdir()
     commands = [
+        (["import", "vllm", str(vllm_dir)], 0),  # creates the store: reading commands never do
         (["dispatch", *shape, "--json"], 0),
         (
             ["dispatch", *shape, "--routing-trace", str(trace), "--fingerprint", str(fp), "--json"],
@@ -88,7 +89,6 @@ def test_cpu_commands_load_no_gpu_package(guarded_env: dict[str, str], tmp_path:
         ),
         (["trace", str(trace), "--experts", "8", "--json"], 0),
         (["fingerprint", "--json"], 0),
-        (["import", "vllm", str(vllm_dir)], 0),
         (["export", "--format", "vllm", "--out", str(tmp_path / "out-vllm")], 0),
         (["export", "--format", "mxdb", "--out", str(tmp_path / "export.json")], 0),
         (["import", "mxdb", str(tmp_path / "export.json")], 0),

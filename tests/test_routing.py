@@ -157,8 +157,8 @@ def test_file_errors(tmp_path: Path) -> None:
     with pytest.raises(TraceError, match="not valid JSON"):
         load_topk(bad)
     obj = tmp_path / "obj.json"
-    obj.write_text(json.dumps({"ids": [[0]]}))
-    with pytest.raises(TraceError, match='without a "topk_ids" key'):
+    obj.write_text(json.dumps({"rows": [[0]]}))
+    with pytest.raises(TraceError, match='without a "topk_ids" \\(or "ids"\\) key'):
         load_topk(obj)
     txt = tmp_path / "t.txt"
     txt.write_text("0 1")

@@ -24,7 +24,7 @@ from typing import Any
 from mxdb.audit.fastschema import compile_schema
 from mxdb.audit.findings import AuditOptions, AuditResult, BundleResult, Finding
 from mxdb.configs import config_hash
-from mxdb.errors import ConfigError, UsageError
+from mxdb.errors import ConfigError, InvalidInputError, UsageError
 from mxdb.evidence import stats
 from mxdb.evidence.files import (
     MANIFEST_NAME,
@@ -45,6 +45,7 @@ from mxdb.audit.store_export import (
 from mxdb.evidence.models import KNOWN_VERSIONS
 from mxdb.evidence.summary import group_key, run_passes, summarize
 from mxdb.evidence.thresholds import THRESHOLDS
+from mxdb.fileio import MAX_DOCUMENT_BYTES, parse_json
 from mxdb.hashing import canonical_hash
 from mxdb.models import FINGERPRINT_COMPONENTS
 
@@ -133,9 +134,20 @@ class _BundleAudit:
         from mxdb.schemas import DOCUMENT_NAMES, validator
 
         try:
-            doc = json.loads(data, parse_constant=_parse_constant)
-        except (ValueError, UnicodeDecodeError) as exc:
-            self.add("json.invalid", rel, "", "a JSON document", str(exc)[:120], "not valid JSON")
+            doc = parse_json(data, what=rel, parse_constant=_parse_constant)
+        except InvalidInputError as exc:
+            text = str(exc).removeprefix(f"{rel}: ").removeprefix(f"{rel} ")
+            if "duplicate key" in text:
+                self.add(
+                    "json.duplicate_key",
+                    rel,
+                    "",
+                    "each key once per object",
+                    text[:160],
+                    "a duplicate key: readers disagree on which value counts",
+                )
+            else:
+                self.add("json.invalid", rel, "", "a JSON document", text[:160], "not valid JSON")
             return None
         if not isinstance(doc, dict):
             self.add(
@@ -211,7 +223,10 @@ class _BundleAudit:
                 "manifest is a symbolic link (not followed)",
             )
             return
-        manifest = self.parse(MANIFEST_NAME, mpath.read_bytes(), "mxdb.manifest")
+        mdata = self.read_file(MANIFEST_NAME, mpath)
+        if mdata is None:
+            return
+        manifest = self.parse(MANIFEST_NAME, mdata, "mxdb.manifest")
         if manifest is None:
             return
         self.bundle_id = manifest["bundle_id"]
@@ -273,7 +288,9 @@ class _BundleAudit:
                         "listed in the manifest but absent",
                     )
                 continue
-            data = path.read_bytes()
+            data = self.read_file(rel, path)
+            if data is None:
+                continue
             contents[rel] = data
             got = hashlib.sha256(data).hexdigest()
             if got != want:
@@ -298,8 +315,70 @@ class _BundleAudit:
                 "an unlisted file",
                 "file is not in the manifest",
             )
-            contents[rel] = present[rel].read_bytes()
+            extra = self.read_file(rel, present[rel])
+            if extra is not None:
+                contents[rel] = extra
+        self.check_links_and_names(present)
         self.semantics(contents)
+
+    def read_file(self, rel: str, path: Path) -> bytes | None:
+        """A bundle file's bytes, or a finding when it is too large or unreadable."""
+        try:
+            size = path.stat().st_size
+            if size > MAX_DOCUMENT_BYTES:
+                self.add(
+                    "bundle.file_too_large",
+                    rel,
+                    "",
+                    f"at most {MAX_DOCUMENT_BYTES:,} bytes",
+                    f"{size:,} bytes",
+                    "file exceeds the audit's size limit (not read)",
+                )
+                return None
+            return path.read_bytes()
+        except OSError as exc:
+            self.add("bundle.unreadable", rel, "", "a readable file", str(exc), "cannot read")
+            return None
+
+    def check_links_and_names(self, present: Mapping[str, Path]) -> None:
+        """Hard links to files outside the bundle; names that differ only in letter case."""
+        inodes: Counter[tuple[int, int]] = Counter()
+        stats: dict[str, os.stat_result] = {}
+        for rel, path in present.items():
+            try:
+                st = path.stat(follow_symlinks=False) if hasattr(path, "stat") else os.lstat(path)
+            except OSError:
+                continue
+            stats[rel] = st
+            inodes[(st.st_dev, st.st_ino)] += 1
+        for rel in sorted(stats):
+            st = stats[rel]
+            inside = inodes[(st.st_dev, st.st_ino)]
+            if st.st_nlink > inside:
+                self.add(
+                    "bundle.hardlink",
+                    rel,
+                    "",
+                    "a file of the bundle's own",
+                    f"{st.st_nlink} hard links, {st.st_nlink - inside} outside the bundle",
+                    "hard link to a file outside the bundle: it can change without the bundle",
+                )
+        by_case: dict[str, list[str]] = defaultdict(list)
+        for rel in present:
+            by_case[rel.casefold()].append(rel)
+        for names in by_case.values():
+            if len(names) > 1:
+                names.sort()
+                for rel in names[1:]:
+                    self.add(
+                        "bundle.case_collision",
+                        rel,
+                        "",
+                        "one file per name, whatever the letter case",
+                        f"{rel} and {names[0]}",
+                        "names differ only in case: on a case-insensitive file system one "
+                        "replaces the other, and readers disagree on which one counts",
+                    )
 
     def semantics(self, contents: dict[str, bytes]) -> None:
         fp_doc = None
@@ -434,6 +513,7 @@ class _BundleAudit:
             report = self.parse("report/report.json", contents["report/report.json"], "mxdb.report")
             if report is not None:
                 self.compare("report", "report/report.json", "", report, build_report(recomputed))
+                self.check_report_markdown(contents, report)
         if "store_export.json" not in contents and decisions(runs):
             self.add(
                 "store_export.missing",
@@ -453,6 +533,42 @@ class _BundleAudit:
                 )
 
     # -- checks ------------------------------------------------------------------------
+
+    def check_report_markdown(
+        self, contents: Mapping[str, bytes], report: Mapping[str, Any]
+    ) -> None:
+        """``report/report.md`` must be exactly the rendering of ``report/report.json``."""
+        from mxdb.report import render_markdown
+
+        md = contents.get("report/report.md")
+        if md is None:
+            return
+        try:
+            want = render_markdown(report).encode()
+            if md != want and md == render_markdown(report, failure_ids=True).encode():
+                return  # the earlier rendering of the same report.json
+        except (KeyError, TypeError, ValueError) as exc:
+            self.add(
+                "report.markdown", "report/report.md", "", "a report", str(exc), "cannot render"
+            )
+            return
+        if md != want:
+            got_lines, want_lines = (
+                md.decode("utf-8", "replace").splitlines(),
+                want.decode().splitlines(),
+            )
+            line = next(
+                (i for i, (a, b) in enumerate(zip(got_lines, want_lines, strict=False)) if a != b),
+                min(len(got_lines), len(want_lines)),
+            )
+            self.add(
+                "report.markdown_mismatch",
+                "report/report.md",
+                f"line {line + 1}",
+                want_lines[line] if line < len(want_lines) else "(end of file)",
+                got_lines[line] if line < len(got_lines) else "(end of file)",
+                "report.md is not the rendering of report.json (edited by hand?)",
+            )
 
     def check_claims(
         self, contents: dict[str, bytes], runs: dict[str, Any], traces: dict[str, Any]
@@ -947,6 +1063,33 @@ def find_bundles(path: Path) -> list[Path]:
     return sorted(found)
 
 
+#: What a bundle folder holds before its manifest is written (the manifest comes last).
+_BUNDLE_MARKERS = ("runs", "traces", "fingerprint.json", "summary.json")
+
+
+def find_unfinished(path: Path) -> list[Path]:
+    """Folders at or under ``path`` that hold bundle content but no manifest.json.
+
+    A tune killed before it finished leaves such a folder; it is not a bundle, so nothing in
+    it can be checked, and saying nothing would let ``mxdb audit OUT/`` pass.  Folders
+    inside a bundle are the bundle's content and are not reported.
+    """
+    found: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(path, followlinks=False):
+        if MANIFEST_NAME in filenames:
+            dirnames.clear()
+            continue
+        names = set(filenames) | set(dirnames)
+        if any(m in names for m in _BUNDLE_MARKERS) and (
+            "runs" in dirnames or "fingerprint.json" in filenames
+        ):
+            found.append(Path(dirpath))
+            dirnames.clear()
+            continue
+        dirnames.sort()
+    return sorted(found)
+
+
 def audit_bundle(root: Path, options: AuditOptions | None = None) -> BundleResult:
     """Audit one bundle directory."""
     audit = _BundleAudit(Path(root), Path(root).as_posix(), options or AuditOptions())
@@ -982,7 +1125,21 @@ def audit_paths(
         if p.is_file() and p.name == MANIFEST_NAME:
             p = p.parent
         bundles = find_bundles(p) if p.is_dir() else []
-        if not bundles:
+        unfinished = find_unfinished(p) if p.is_dir() else []
+        for u in unfinished:
+            findings.append(
+                Finding(
+                    "bundle.no_manifest",
+                    f"{u.as_posix()}/{MANIFEST_NAME}",
+                    "",
+                    "a manifest.json listing every file of the bundle",
+                    "no file",
+                    "a bundle folder without a manifest (a tune killed before it finished?): "
+                    "nothing in it can be checked; finish it by running the same tune again, "
+                    "or remove the folder",
+                )
+            )
+        if not bundles and not unfinished:
             findings.append(
                 Finding(
                     "bundle.none_found",

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import get_args
 
 import click
 
 from mxdb.cli.app import cli, db_option, emit_json, handle_errors, json_option
-from mxdb.models import ROUTING_CLASSES
+from mxdb.errors import InvalidInputError
+from mxdb.models import ROUTING_CLASSES, EntryStatus
+
+ENTRY_STATUSES: tuple[str, ...] = get_args(EntryStatus)
 
 
 @cli.command("dispatch")
@@ -131,6 +135,12 @@ def import_vllm_cmd(
 
     with Store.open(db) as store:
         report = import_vllm(store, list(paths), hidden=hidden, topk=topk)
+    if report.files and report.read == 0:
+        raise InvalidInputError(
+            f"every one of the {report.files} table file(s) was skipped, nothing was imported: "
+            + "; ".join(report.skipped[:5])
+            + (f"; ... and {len(report.skipped) - 5} more" if len(report.skipped) > 5 else "")
+        )
     if as_json:
         emit_json(report.to_dict())
     else:
@@ -186,6 +196,7 @@ def import_mxdb_cmd(path: Path, db: str | None, as_json: bool) -> None:
 @click.option(
     "--status",
     "statuses",
+    type=click.Choice(ENTRY_STATUSES),
     multiple=True,
     default=("verified", "baseline"),
     show_default=True,
@@ -208,7 +219,7 @@ def export_cmd(
     from mxdb.store import Store
 
     opts = ExportOptions(statuses=statuses, dtype=dtype, routing_class=routing_class)
-    with Store.open(db) as store:
+    with Store.open(db, create=False) as store:
         report = export_store(store, fmt, out, opts)
     if as_json:
         emit_json(report.to_dict())

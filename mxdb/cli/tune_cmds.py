@@ -7,7 +7,7 @@ import functools
 import click
 
 from mxdb.cli.app import cli, db_option, emit_json, handle_errors, json_option
-from mxdb.errors import UsageError
+from mxdb.errors import GpuUnavailableError, UsageError
 
 
 def _devices(value: str | None) -> list[int] | None:
@@ -22,6 +22,27 @@ def _devices(value: str | None) -> list[int] | None:
     if not devs or any(d < 0 for d in devs):
         raise UsageError(f"--devices takes non-negative GPU indices such as 0,1; got {value!r}")
     return devs
+
+
+def _require_gpu_packages() -> None:
+    """Fail early, with what to install, when the GPU backend's packages are missing."""
+    import importlib.util
+
+    missing = []
+    for name in ("torch", "triton", "flag_gems"):
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(name)
+    if missing:
+        raise GpuUnavailableError(
+            f"mxdb tune measures on the GPU with torch, triton and flag_gems, and "
+            f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not installed here: "
+            "install the GPU extra (pip install 'mxdb[gpu]'), or use --backend fake for a dry "
+            "run on an analytic CPU model"
+        )
 
 
 @cli.command("tune")
@@ -83,6 +104,8 @@ def tune_cmd(
 
     wl = load_workload(workload)
     devs = _devices(devices)
+    if backend == "gpu":
+        _require_gpu_packages()
     if backend == "fake":
         from mxdb.tune.fake import FakeBackend
 

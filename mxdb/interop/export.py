@@ -94,13 +94,10 @@ def build_export(store: Store, statuses: Sequence[str] | None = None) -> StoreEx
 
 def read_export(path: str | Path) -> StoreExport:
     """Read and validate an mxdb export file."""
+    from mxdb.fileio import load_json
+
     p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise InvalidInputError(f"export file {p} does not exist") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidInputError(f"export file {p} is not valid JSON: {exc}") from None
+    data = load_json(p, what="export file")
     if isinstance(data, dict) and data.get("schema") != EXPORT_SCHEMA:
         raise InvalidInputError(
             f"{p} is not an mxdb store export: schema is {data.get('schema')!r}, "
@@ -134,10 +131,11 @@ def read_export(path: str | Path) -> StoreExport:
 def import_export(store: Store, path: str | Path) -> dict[str, int]:
     """Add an mxdb export's fingerprints and entries to ``store`` (duplicates are skipped)."""
     doc = read_export(path)
-    for fp in doc.fingerprints.values():
-        store.put_fingerprint(fp)
     before = sum(store.count_entries().values())
-    store.add_entries([e.model_copy(update={"id": None}) for e in doc.entries])
+    store.add_entries(
+        [e.model_copy(update={"id": None}) for e in doc.entries],
+        fingerprints=list(doc.fingerprints.values()),
+    )
     return {"read": len(doc.entries), "added": sum(store.count_entries().values()) - before}
 
 

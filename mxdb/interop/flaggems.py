@@ -14,10 +14,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from mxdb.configs import GemmConfig
 from mxdb.errors import InvalidInputError
+from mxdb.shapes import MAX_DIMS
 
 ORDER = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
 
@@ -50,10 +49,9 @@ def render(tables: dict[str, dict[str, dict[int, GemmConfig]]]) -> str:
 
 def parse(text: str, *, source: str = "<text>") -> dict[str, dict[str, dict[int, GemmConfig]]]:
     """Read the YAML the way FlagGems does; the ``_FALLBACK`` device map is skipped."""
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise InvalidInputError(f"{source} is not valid YAML: {exc}") from None
+    from mxdb.fileio import parse_yaml
+
+    data = parse_yaml(text, what=source)
     if not isinstance(data, dict):
         raise InvalidInputError(f"{source}: expected a mapping of device names to tables")
     out: dict[str, dict[str, dict[int, GemmConfig]]] = {}
@@ -64,18 +62,29 @@ def parse(text: str, *, source: str = "<text>") -> dict[str, dict[str, dict[int,
             raise InvalidInputError(f"{source}: device {device!r} must map table keys to entries")
         out[str(device)] = {}
         for key, entries in tables.items():
+            if not isinstance(entries, dict):
+                raise InvalidInputError(f"{source}: {device} {key} must map M to a config")
             out[str(device)][str(key)] = {
-                int(m): _gemm(v, f"{source}: {device} {key} M={m}") for m, v in entries.items()
+                _tokens(m, f"{source}: {device} {key}"): _gemm(v, f"{source}: {device} {key} M={m}")
+                for m, v in entries.items()
             }
     return out
 
 
 def read(path: str | Path) -> dict[str, dict[str, dict[int, GemmConfig]]]:
+    from mxdb.fileio import MAX_DOCUMENT_BYTES, read_text
+
     p = Path(path)
-    try:
-        return parse(p.read_text(), source=str(p))
-    except FileNotFoundError:
-        raise InvalidInputError(f"{p} does not exist") from None
+    return parse(read_text(p, limit=MAX_DOCUMENT_BYTES, what="FlagGems table"), source=str(p))
+
+
+def _tokens(key: Any, where: str) -> int:
+    text = str(key)
+    if not (text.isascii() and text.isdigit() and 1 <= int(text) <= MAX_DIMS["tokens"]):
+        raise InvalidInputError(
+            f"{where}: key {key!r} is not a token count in [1, {MAX_DIMS['tokens']:,}]"
+        )
+    return int(text)
 
 
 def _gemm(value: Any, where: str) -> GemmConfig:

@@ -20,11 +20,12 @@ from typing import Any
 from mxdb.configs import GemmConfig, KernelConfig
 from mxdb.errors import ConfigError, InvalidInputError
 from mxdb.models import Entry
-from mxdb.shapes import PRESETS, MoEShape, canonical_dtype
+from mxdb.shapes import MAX_DIMS, PRESETS, MoEShape, canonical_dtype
 
 _NAME = re.compile(
     r"^E=(?P<E>\d+),N=(?P<N>\d+),device_name=(?P<device>[^,]+?)"
-    r"(?:,dtype=(?P<dtype>[^,]+?))?(?:,block_shape=(?P<block>\[[^\]]*\]))?\.json$"
+    r"(?:,dtype=(?P<dtype>[^,]+?))?(?:,block_shape=(?P<block>\[[^\]]*\]))?\.json$",
+    re.ASCII,
 )
 
 #: Quantized table dtypes mxdb does not handle (its kernels are fp16/bf16).
@@ -58,6 +59,13 @@ def parse_table_name(name: str) -> TableName:
             f"{name!r} is not a vLLM fused-MoE table name; expected "
             "'E=<experts>,N=<intermediate>,device_name=<device>[,dtype=<dtype>].json'"
         )
+    for part, value in (("E", match["E"]), ("N", match["N"])):
+        limit = MAX_DIMS["experts" if part == "E" else "intermediate"]
+        if not 1 <= int(value) <= limit:
+            raise InvalidInputError(
+                f"{Path(name).name!r}: {part}={value} is not a valid size; "
+                f"{part} must be in [1, {limit:,}]"
+            )
     return TableName(
         experts=int(match["E"]),
         intermediate=int(match["N"]),
@@ -74,19 +82,20 @@ def device_key(device_name: str | None) -> str:
 
 def read_table(path: str | Path) -> dict[int, GemmConfig]:
     """Read one vLLM table: {M: GemmConfig}. Non-config keys (e.g. triton_version) are ignored."""
+    from mxdb.fileio import MAX_SMALL_BYTES, load_json
+
     p = Path(path)
-    try:
-        data = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise InvalidInputError(f"vLLM table {p} does not exist") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InvalidInputError(f"vLLM table {p} is not valid JSON: {exc}") from None
+    data = load_json(p, what="vLLM table", limit=MAX_SMALL_BYTES)
     if not isinstance(data, dict):
         raise InvalidInputError(f"vLLM table {p} must be a JSON object mapping M to a config")
     table: dict[int, GemmConfig] = {}
     for key, value in data.items():
-        if not key.isdigit():
+        if not (key.isascii() and key.isdigit()):
             continue  # e.g. "triton_version", which vLLM itself ignores
+        if not 1 <= int(key) <= MAX_DIMS["tokens"]:
+            raise InvalidInputError(
+                f"vLLM table {p}: key {key!r} is not a token count in [1, {MAX_DIMS['tokens']:,}]"
+            )
         try:
             table[int(key)] = GemmConfig.from_triton(value)
         except ConfigError as exc:

@@ -71,10 +71,22 @@ def sqlite_path(url: URL) -> Path | None:
     return Path(database)
 
 
-def make_engine(url: URL) -> Engine:
-    """An engine for ``url``; for SQLite, with WAL, busy_timeout and explicit BEGINs."""
+def make_engine(url: URL, *, readonly: bool = False) -> Engine:
+    """An engine for ``url``; for SQLite, with WAL, busy_timeout and explicit BEGINs.
+
+    ``readonly`` (SQLite files only): open with ``mode=ro`` (and ``immutable=1`` when the
+    folder is not writable either, so that SQLite needs no -shm file), and leave the
+    journal mode as it is.
+    """
     backend = url.get_backend_name()
     kwargs: dict[str, Any] = {}
+    path = sqlite_path(url)
+    if readonly and path is not None:
+        from urllib.parse import quote
+
+        immutable = "" if os.access(path.parent, os.W_OK) else "&immutable=1"
+        uri = f"file:{quote(str(path.absolute()))}?mode=ro{immutable}"
+        kwargs["creator"] = lambda: sqlite3.connect(uri, uri=True, check_same_thread=False)
     if backend == "postgresql":
         # Recycle server connections now and then; no pre-ping, which would cost a
         # round trip on every checkout (the dispatcher's reads are latency-bound).
@@ -90,11 +102,11 @@ def make_engine(url: URL) -> Engine:
     except ArgumentError as exc:
         raise StoreError(f"cannot use database URL {url!r}: {exc}") from None
     if backend == "sqlite":
-        _configure_sqlite(engine)
+        _configure_sqlite(engine, readonly=readonly)
     return engine
 
 
-def _configure_sqlite(engine: Engine) -> None:
+def _configure_sqlite(engine: Engine, *, readonly: bool = False) -> None:
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_connection: sqlite3.Connection, _record: Any) -> None:
         # Hand transaction control to the "begin" hook below.
@@ -102,6 +114,8 @@ def _configure_sqlite(engine: Engine) -> None:
         cursor = dbapi_connection.cursor()
         try:
             cursor.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+            if readonly:
+                return
             cursor.execute("PRAGMA journal_mode = WAL")
             # NORMAL is durable against process crashes in WAL mode (only a power
             # loss can drop the last commits) and much cheaper than FULL.

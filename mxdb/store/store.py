@@ -9,6 +9,7 @@ to know when to reload.
 from __future__ import annotations
 
 import json
+import os
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -35,7 +36,14 @@ from sqlalchemy.dialects import sqlite as sqlite_dialect
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import DatabaseError, SQLAlchemyError
 
-from mxdb.errors import CorruptStoreError, InvalidInputError, MxdbError, NotFoundError, StoreError
+from mxdb.errors import (
+    CorruptStoreError,
+    InvalidInputError,
+    MxdbError,
+    NotFoundError,
+    StoreError,
+    StoreNotFoundError,
+)
 from mxdb.models import Entry, EntryStatus, Fingerprint, Measurement, utcnow
 from mxdb.store import schema
 from mxdb.store.engine import (
@@ -191,6 +199,37 @@ def _check_sqlite_file(path: Path) -> None:
         )
 
 
+def _overflow(what: str) -> InvalidInputError:
+    return InvalidInputError(
+        f"{what}: a number is too large for the database (integers are limited to 2**63 - 1); "
+        "check the input's values"
+    )
+
+
+def _writable(path: Path) -> bool:
+    """Whether this process may write the SQLite file (and create its journal beside it)."""
+    return os.access(path, os.W_OK)
+
+
+def _require_schema(engine: Engine, display: str, *, readonly: bool) -> None:
+    """For a store opened to read: it must already hold mxdb's schema (at head, if read-only)."""
+    from mxdb.store.migrate import _check, head_revision
+
+    with engine.connect() as conn, conn.begin():
+        current = _check(conn, display)
+    if not current:
+        raise StoreNotFoundError(
+            f"the database at {display} holds no mxdb store; commands that only read never "
+            "create one: check --db / MXDB_DB, or create the store with `mxdb import` or "
+            "`mxdb tune`"
+        )
+    if readonly and current != (head_revision(),):
+        raise StoreError(
+            f"the read-only store at {display} has schema revision {', '.join(current)}, older "
+            f"than this mxdb's {head_revision()}; open it once with write access to upgrade it"
+        )
+
+
 class Store:
     """An open database.  Use ``Store.open(url)``; close it (or use it as a context manager)."""
 
@@ -208,23 +247,41 @@ class Store:
     # -- opening and closing -------------------------------------------------------
 
     @classmethod
-    def open(cls, url: str | None = None) -> Store:
-        """Open (and migrate to the newest schema) the database at ``url`` or ``default_url()``."""
+    def open(cls, url: str | None = None, *, create: bool = True) -> Store:
+        """Open (and migrate to the newest schema) the database at ``url`` or ``default_url()``.
+
+        ``create=False`` (commands that only read): a SQLite file that does not exist, or a
+        database without mxdb's schema, is a ``StoreNotFoundError``; nothing is created.
+        A SQLite file this process cannot write is opened read-only: reads work, writes
+        fail with a ``StoreError`` that says so.
+        """
         parsed = normalize_url(url if url is not None else default_url())
         display = parsed.render_as_string(hide_password=True)
         path = sqlite_path(parsed)
+        readonly = False
         if path is not None:
             _check_sqlite_file(path)
-            try:
-                path.parent.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise StoreError(
-                    f"cannot create the directory of database {path}: {exc}; "
-                    "choose another --db / MXDB_DB"
-                ) from None
-        engine = make_engine(parsed)
+            if not create and not path.exists():
+                raise StoreNotFoundError(
+                    f"there is no store at {display} ({path} does not exist); commands that "
+                    "only read never create one: check --db / MXDB_DB, or create the store "
+                    "with `mxdb import` or `mxdb tune`"
+                )
+            readonly = path.exists() and not _writable(path)
+            if not readonly:
+                try:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                except OSError as exc:
+                    raise StoreError(
+                        f"cannot create the directory of database {path}: {exc}; "
+                        "choose another --db / MXDB_DB"
+                    ) from None
+        engine = make_engine(parsed, readonly=readonly)
         try:
-            ensure_schema(engine, display)
+            if readonly or not create:
+                _require_schema(engine, display, readonly=readonly)
+            if not readonly:
+                ensure_schema(engine, display)
         except MxdbError:
             engine.dispose()
             raise
@@ -266,6 +323,11 @@ class Store:
 
     def _fail(self, what: str, exc: SQLAlchemyError) -> StoreError:
         reason = str(getattr(exc, "orig", None) or exc).strip()
+        if "readonly database" in reason or "read-only" in reason:
+            return StoreError(
+                f"{what} failed on {self.url}: the store is read-only here ({reason}); "
+                "commands that write need write access to it (or use another --db)"
+            )
         return StoreError(f"{what} failed on {self.url}: {reason}")
 
     @contextmanager
@@ -274,7 +336,11 @@ class Store:
             with self._engine.connect() as conn, conn.begin():
                 yield conn
         except SQLAlchemyError as exc:
+            if isinstance(exc.__cause__, OverflowError) or "too large" in str(exc):
+                raise _overflow(what) from None
             raise self._fail(what, exc) from exc
+        except OverflowError:
+            raise _overflow(what) from None
 
     def _write(self, what: str, fn: Callable[[Connection], T]) -> T:
         """Run ``fn`` in one write transaction (BEGIN IMMEDIATE on SQLite), retrying locks."""
@@ -282,10 +348,14 @@ class Store:
             try:
                 with self._writer.connect() as conn, conn.begin():
                     return fn(conn)
+            except OverflowError:
+                raise _overflow(what) from None
             except SQLAlchemyError as exc:
                 if self._sqlite and is_locked_error(exc) and attempt < _LOCKED_RETRIES:
                     time.sleep(0.05 * 2**attempt)
                     continue
+                if isinstance(exc.__cause__, OverflowError) or "too large to convert" in str(exc):
+                    raise _overflow(what) from None
                 raise self._fail(what, exc) from exc
         raise AssertionError("unreachable")
 
@@ -334,16 +404,14 @@ class Store:
 
     def put_fingerprint(self, fp: Fingerprint) -> str:
         """Store ``fp`` (idempotent); returns its hash."""
-        h = fp.hash
+        self._write("storing a fingerprint", lambda conn: self._put_fingerprint(conn, fp))
+        return fp.hash
 
-        def fn(conn: Connection) -> None:
-            stmt = self._insert(fingerprints_t).values(
-                hash=h, components=_dumps(fp.components()), created_at=utcnow()
-            )
-            conn.execute(stmt.on_conflict_do_nothing(index_elements=["hash"]))
-
-        self._write("storing a fingerprint", fn)
-        return h
+    def _put_fingerprint(self, conn: Connection, fp: Fingerprint) -> None:
+        stmt = self._insert(fingerprints_t).values(
+            hash=fp.hash, components=_dumps(fp.components()), created_at=utcnow()
+        )
+        conn.execute(stmt.on_conflict_do_nothing(index_elements=["hash"]))
 
     def get_fingerprint(self, h: str) -> Fingerprint | None:
         with self._read("reading a fingerprint") as conn:
@@ -395,15 +463,25 @@ class Store:
                     ids[tuple(row[1:])] = row[0]
         return [ids[_natural_key(v)] for v in values]
 
-    def add_entries(self, entries: Sequence[Entry]) -> list[int]:
-        """Add ``entries`` in one transaction; returns their ids, in order.
+    def add_entries(
+        self, entries: Sequence[Entry], *, fingerprints: Sequence[Fingerprint] = ()
+    ) -> list[int]:
+        """Add ``entries`` (and the ``fingerprints`` they name) in one transaction.
 
-        An entry whose natural key (op, dtype, family, tokens, routing_class,
-        fingerprint_hash, source, config_hash) is already stored is skipped and the
-        stored row's id returned.  Bumps the generation.
+        Returns the entries' ids, in order.  An entry whose natural key (op, dtype,
+        family, tokens, routing_class, fingerprint_hash, source, config_hash) is already
+        stored is skipped and the stored row's id returned.  Bumps the generation.  A
+        writer killed mid-way leaves neither the fingerprints nor the entries behind.
         """
         entries = list(entries)
-        return self._write("adding entries", lambda conn: self._add_entries(conn, entries))
+        fps = list(fingerprints)
+
+        def fn(conn: Connection) -> list[int]:
+            for fp in fps:
+                self._put_fingerprint(conn, fp)
+            return self._add_entries(conn, entries)
+
+        return self._write("adding entries", fn)
 
     def entries(
         self,

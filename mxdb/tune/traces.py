@@ -10,7 +10,6 @@ of the halving rungs.
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -181,15 +180,14 @@ def _seed(base: int, shape: MoEShape, label: str) -> int:
 
 def _read_replay(workload: Workload, src: ReplayRouting, shape: MoEShape) -> np.ndarray:
     path = workload.resolve(src.path)
-    try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    from mxdb.fileio import MAX_TRACE_BYTES, load_json
+
+    if not path.exists():
         raise WorkloadError(
             f"routings: replay trace {str(path)!r} does not exist; record one with `mxdb trace` "
             "or point path at an evidence traces/<hash>.json file"
-        ) from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise WorkloadError(f"routings: cannot read replay trace {str(path)!r}: {exc}") from None
+        )
+    doc = load_json(path, what="replay trace", limit=MAX_TRACE_BYTES, error=WorkloadError)
     rows = doc.get("ids") if isinstance(doc, dict) else doc
     try:
         ids = np.asarray(rows, dtype=np.int64)

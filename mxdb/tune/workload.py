@@ -21,12 +21,10 @@ and replayed identically to every candidate.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
@@ -38,9 +36,15 @@ from pydantic import (
 
 from mxdb.errors import ShapeError, WorkloadError
 from mxdb.hashing import canonical_hash
-from mxdb.shapes import PRESETS, MoEShape, canonical_dtype
+from mxdb.shapes import MAX_DIMS, PRESETS, MoEShape, canonical_dtype
 
 _STRICT = ConfigDict(frozen=True, extra="forbid")
+
+#: Limits on a workload: list lengths, and ids per generated trace (tokens x top-k), so that
+#: a hostile file is refused before anything is generated or allocated.
+MAX_LIST = 256
+MAX_POINTS = 100_000
+MAX_TRACE_IDS = 1 << 24
 
 
 class ModelSpec(BaseModel):
@@ -49,10 +53,10 @@ class ModelSpec(BaseModel):
     model_config = _STRICT
 
     name: str | None = None
-    experts: int = Field(ge=1)
-    hidden: int = Field(ge=1)
-    intermediate: int = Field(ge=1)
-    topk: int = Field(ge=1)
+    experts: int = Field(ge=1, le=MAX_DIMS["experts"])
+    hidden: int = Field(ge=1, le=MAX_DIMS["hidden"])
+    intermediate: int = Field(ge=1, le=MAX_DIMS["intermediate"])
+    topk: int = Field(ge=1, le=MAX_DIMS["topk"])
 
     def shape(self, tokens: int, dtype: str) -> MoEShape:
         return MoEShape(self.experts, self.hidden, self.intermediate, self.topk, tokens, dtype)
@@ -185,12 +189,13 @@ class Workload(BaseModel):
     model_config = _STRICT
 
     name: str = Field(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
-    models: list[ModelSpec] = Field(min_length=1)
-    tokens: list[int] = Field(min_length=1)
-    dtypes: list[str] = Field(default_factory=lambda: ["bf16"], min_length=1)
+    models: list[ModelSpec] = Field(min_length=1, max_length=MAX_LIST)
+    tokens: list[int] = Field(min_length=1, max_length=MAX_LIST)
+    dtypes: list[str] = Field(default_factory=lambda: ["bf16"], min_length=1, max_length=8)
     routings: list[RoutingSource] = Field(
         default_factory=lambda: [UniformRouting()],  # type: ignore[arg-type]
         min_length=1,
+        max_length=MAX_LIST,
     )
     seed: int = Field(default=0, ge=0, lt=2**32)
     search: SearchOptions = Field(default_factory=SearchOptions)
@@ -226,6 +231,10 @@ class Workload(BaseModel):
     def _tokens(cls, value: list[int]) -> list[int]:
         if any(m < 1 for m in value):
             raise ValueError("every token count must be a positive integer")
+        if any(m > MAX_DIMS["tokens"] for m in value):
+            raise ValueError(
+                f"token count {max(value):,} is above the limit of {MAX_DIMS['tokens']:,}"
+            )
         if len(set(value)) != len(value):
             raise ValueError("token counts must not repeat")
         return value
@@ -251,9 +260,17 @@ class Workload(BaseModel):
         labels = [r.label() for r in self.routings]
         if len(set(labels)) != len(labels):
             raise ValueError(f"routings repeat: {labels}")
+        points = len(self.models) * len(self.tokens) * len(self.dtypes) * len(self.routings)
+        if points > MAX_POINTS:
+            raise ValueError(f"{points:,} points, above the limit of {MAX_POINTS:,} per workload")
         for m in self.models:
             if m.topk > m.experts:
                 raise ValueError(f"model {m.label}: topk ({m.topk}) exceeds experts ({m.experts})")
+            if max(self.tokens) * m.topk > MAX_TRACE_IDS:
+                raise ValueError(
+                    f"model {m.label} at {max(self.tokens):,} tokens needs a trace of "
+                    f"{max(self.tokens) * m.topk:,} ids, above the limit of {MAX_TRACE_IDS:,}"
+                )
             for r in self.routings:
                 if isinstance(r, HotRouting) and r.expert >= m.experts:
                     raise ValueError(
@@ -335,22 +352,22 @@ def parse_workload(data: Any, *, source: str = "workload", base_dir: str | None 
 
 def load_workload(path: str | Path) -> Workload:
     """Read a workload from a YAML (``.yaml``/``.yml``) or JSON file."""
+    from mxdb.fileio import MAX_SMALL_BYTES, parse_json, parse_yaml, read_bytes
+
     p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
+    if not p.exists() and not p.is_symlink():
         raise WorkloadError(
             f"workload file {str(p)!r} does not exist; pass a YAML or JSON workload "
             "(see examples/workloads/)"
-        ) from None
-    except OSError as exc:
-        raise WorkloadError(f"cannot read workload file {str(p)!r}: {exc}") from None
-    try:
-        data = json.loads(text) if p.suffix.lower() == ".json" else yaml.safe_load(text)
-    except (json.JSONDecodeError, yaml.YAMLError) as exc:
-        raise WorkloadError(
-            f"{p}: not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {exc}"
-        ) from None
+        )
+    raw = read_bytes(p, limit=MAX_SMALL_BYTES, what="workload file", error=WorkloadError)
+    if p.suffix.lower() == ".json":
+        data = parse_json(raw, what=f"workload {str(p)!r}", error=WorkloadError)
+    else:
+        from mxdb.fileio import decode_text
+
+        text = decode_text(raw, what=f"workload file {str(p)!r}", error=WorkloadError)
+        data = parse_yaml(text, what=f"workload {str(p)!r}", error=WorkloadError)
     return parse_workload(data, source=str(p), base_dir=str(p.parent.resolve()))
 
 
