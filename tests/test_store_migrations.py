@@ -47,7 +47,7 @@ def test_head_schema_matches_the_table_definitions(db_url: str) -> None:
             )
     finally:
         engine.dispose()
-    assert head_revision() == "0003"
+    assert head_revision() == "0004"
 
 
 def test_upgrade_from_0001_preserves_data(db_url: str) -> None:
@@ -102,7 +102,7 @@ def test_schema_too_new_refuses_and_changes_nothing(db_url: str) -> None:
     with pytest.raises(SchemaTooNewError) as info:
         Store.open(db_url)
     msg = str(info.value)
-    assert "schema revision 9999_future, newer than this mxdb knows (head 0003)" in msg
+    assert "schema revision 9999_future, newer than this mxdb knows (head 0004)" in msg
     assert "pip install -U mxdb" in msg and "--db" in msg
     assert "database at " in msg
     engine = _engine(db_url)

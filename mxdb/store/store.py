@@ -48,7 +48,7 @@ from mxdb.store.engine import (
 )
 from mxdb.store.migrate import ensure_schema
 from mxdb.store.records import Claim, DispatchRow, PointState
-from mxdb.store.schema import GENERATION_KEY, NATURAL_KEY_FP
+from mxdb.store.schema import GENERATION_KEY, NATURAL_KEY_DEVICE, NATURAL_KEY_FP
 
 entries_t = schema.entries
 fingerprints_t = schema.fingerprints
@@ -95,6 +95,7 @@ _NATURAL_KEY = (
     entries_t.c.tokens,
     entries_t.c.routing_class,
     NATURAL_KEY_FP,
+    NATURAL_KEY_DEVICE,
     entries_t.c.source,
     entries_t.c.config_hash,
 )
@@ -138,6 +139,7 @@ def _natural_key(values: dict[str, Any]) -> tuple[Any, ...]:
         values["tokens"],
         values["routing_class"],
         values["fingerprint_hash"] or "",
+        values["device_name"] or "",
         values["source"],
         values["config_hash"],
     )
@@ -396,7 +398,7 @@ class Store:
         """Add ``entries`` in one transaction; returns their ids, in order.
 
         An entry whose natural key (op, dtype, family, tokens, routing_class,
-        fingerprint_hash, source, config_hash) is already stored is skipped and the
+        fingerprint_hash, device_name, source, config_hash) is already stored is skipped and the
         stored row's id returned.  Bumps the generation.
         """
         entries = list(entries)

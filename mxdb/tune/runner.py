@@ -30,6 +30,7 @@ from typing import Any
 from mxdb.configs import KernelConfig
 from mxdb.errors import MxdbError, UsageError
 from mxdb.evidence import stats
+from mxdb.fingerprint import environment_data
 from mxdb.models import Entry, Fingerprint, Measurement
 from mxdb.shapes import MoEShape
 from mxdb.store import Claim, Store
@@ -37,7 +38,7 @@ from mxdb.tune.backend import Backend
 from mxdb.tune.search import PointInput, RoutingInput, SearchResult, search
 from mxdb.tune.space import SearchSpace, peer_seeds
 from mxdb.tune.traces import Trace, point_traces
-from mxdb.tune.verify import Verdict, baseline_record, judge, verified_entry
+from mxdb.tune.verify import Verdict, baseline_record, judge, single_record, verified_entry
 from mxdb.tune.workload import Point, SearchOptions, Workload
 
 BackendFactory = Callable[[], Backend]
@@ -354,7 +355,17 @@ def measure_point(
             device_name=backend.fingerprint().device_name,
         )
     rejections = contradicted(result, verdict, incumbents, replay.trace_hash)
-    return result.measurements, [entry] if entry is not None else [], rejections
+    # a split winner cannot go into vLLM's or FlagGems' tables: keep the best single config
+    # measured beside it for their exports (status imported: never dispatched)
+    single = single_record(
+        result,
+        verdict,
+        routing_class=replay.routing_class,
+        fingerprint_hash=fingerprint_hash,
+        device_name=backend.fingerprint().device_name,
+    )
+    entries = [e for e in (entry, single) if e is not None]
+    return result.measurements, entries, rejections
 
 
 def _dedup_configs(configs: Sequence[KernelConfig]) -> list[KernelConfig]:
@@ -611,7 +622,9 @@ def write_bundle(
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     name = f"{workload.name}-{suffix}" if suffix else workload.name
     root = out_dir / f"{name}-{stamp}-{uuid.uuid4().hex[:4]}"
-    w = BundleWriter(root, milestone=workload.name, fingerprint=fp)
+    w = BundleWriter(
+        root, milestone=workload.name, fingerprint=fp, fingerprint_data=environment_data()
+    )
     for p, replay, synthetic in points:
         ms = _job_measurements(store, job, p.shape, p.key)
         if not ms:

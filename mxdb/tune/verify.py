@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from mxdb.configs import KernelConfig
 from mxdb.evidence import stats
 from mxdb.evidence.thresholds import passes
-from mxdb.models import Entry, EntryStatus
+from mxdb.models import Entry, EntryStatus, Measurement
 from mxdb.tune.search import SearchResult
 
 
@@ -148,6 +148,72 @@ def baseline_record(
         baseline_us=verdict.baseline_median_us,
         evidence=run,
     )
+
+
+#: The source of a tuner's best single-config record (see ``single_record``).
+SINGLE_SOURCE = "tune-single"
+
+
+def single_record(
+    result: SearchResult,
+    verdict: Verdict,
+    *,
+    routing_class: str,
+    fingerprint_hash: str | None,
+    device_name: str | None,
+) -> Entry | None:
+    """The best *single* config measured at a point whose verified winner is split.
+
+    vLLM's and FlagGems' tables hold one config for both GEMMs, aligned to its BLOCK_SIZE_M;
+    a split winner (two GEMM configs, or another alignment block) cannot be written there, and
+    neither half of it was measured alone.  The best such uniform config of the point's final
+    comparison (correct, timed on the replayed routing beside FlagGems' choice and the control
+    pair) is kept, when it too beats FlagGems' choice beyond the noise band, as an entry of
+    status ``imported`` and source ``tune-single``: never dispatched, read by the table
+    exports (``mxdb.interop.tables``).  None otherwise: the export then writes the
+    baseline's config at that key.
+    """
+    if not verdict.verified or result.winner is None or verdict.noise_band is None:
+        return None
+    if not verdict.baseline_median_us:
+        return None
+    w = result.winner
+    if w.gemm1 == w.gemm2 and w.align_block == w.gemm1.block_m:
+        return None  # the verified entry is itself a single config
+    best: tuple[float, Measurement] | None = None
+    for m in result.measurements:
+        if m.fidelity != "layer" or m.role != "candidate" or m.status != "ok":
+            continue
+        if not m.samples_us or m.max_abs_err is None or m.rel_err is None:
+            continue
+        if not passes(result.shape.dtype, m.max_abs_err, m.rel_err):
+            continue
+        cfg = KernelConfig.parse(m.config)
+        if cfg.gemm1 != cfg.gemm2 or cfg.align_block != cfg.gemm1.block_m:
+            continue
+        med = stats.median(list(m.samples_us))
+        if best is None or med < best[0]:
+            best = (med, m)
+    if best is None:
+        return None
+    med, m = best
+    speedup = stats.speedup(verdict.baseline_median_us, med)
+    if speedup - 1.0 <= verdict.noise_band:
+        return None
+    entry = _point_entry(
+        result,
+        KernelConfig.parse(m.config),
+        "imported",
+        routing_class=routing_class,
+        fingerprint_hash=fingerprint_hash,
+        device_name=device_name,
+        speedup=speedup,
+        noise_band=verdict.noise_band,
+        median_us=med,
+        baseline_us=verdict.baseline_median_us,
+        evidence=m.run_id,
+    )
+    return entry.model_copy(update={"source": SINGLE_SOURCE})
 
 
 def _point_entry(
