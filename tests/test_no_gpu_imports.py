@@ -89,7 +89,7 @@ def test_cpu_commands_load_no_gpu_package(guarded_env: dict[str, str], tmp_path:
         (["trace", str(trace), "--experts", "8", "--json"], 0),
         (["fingerprint", "--json"], 0),
         (["import", "vllm", str(vllm_dir)], 0),
-        (["export", "--format", "vllm", "--out", str(tmp_path / "out-vllm")], 0),
+        (["export", "--format", "vllm", "--imported", "--out", str(tmp_path / "out-vllm")], 0),
         (["export", "--format", "mxdb", "--out", str(tmp_path / "export.json")], 0),
         (["import", "mxdb", str(tmp_path / "export.json")], 0),
         (["audit", str(bundle)], 1),
