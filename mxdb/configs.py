@@ -68,7 +68,7 @@ class GemmConfig(BaseModel):
     num_stages: int = Field(default=2, ge=1, le=16)
     #: extra launch keys (``EXTRA_LAUNCH_KEYS``) in the order read; absent (None) for
     #: every config mxdb measures, so its dump and hash are those of the six fields alone
-    extra: SkipJsonSchema[LaunchExtra | None] = None
+    extra: SkipJsonSchema[LaunchExtra | None] = Field(default=None, repr=False)
 
     @field_validator("extra", mode="before")
     @classmethod
