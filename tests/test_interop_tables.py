@@ -642,3 +642,22 @@ def test_peer_tables_in_the_repo_are_the_same_bytes_as_vllms() -> None:
         pytest.skip("../shared/peers/vllm_h200 not present")
     for path in peers.glob("E=*.json"):
         assert (VLLM_CONFIGS / path.name).read_bytes() == path.read_bytes()
+
+
+def test_fingerprint_documents_record_the_table_outside_the_hash() -> None:
+    from mxdb import schemas
+    from mxdb.evidence.models import FingerprintDoc
+    from mxdb.fingerprint import parse_fingerprint
+
+    fp = Fingerprint(vendor="nvidia", device_name="NVIDIA H200", kernel_source_hash="1" * 16)
+    doc = FingerprintDoc(fingerprint=fp, hash=fp.hash, data={"flaggems_moe_table": "2" * 16})
+    written = doc.to_json_dict()
+    assert written["schema_version"] == "1.1" and written["data"]["flaggems_moe_table"]
+    validator = schemas.validator("fingerprint")
+    assert list(validator.iter_errors(written)) == []
+    # 1.0 documents (every committed bundle's) stay valid
+    old = json.loads((REPO / "evidence" / "h200-compile-survey" / "fingerprint.json").read_text())
+    assert old["schema_version"] == "1.0" and list(validator.iter_errors(old)) == []
+    # the table is data: the fingerprint and its hash are the same with or without it
+    assert parse_fingerprint(written) == fp
+    assert parse_fingerprint({**fp.components(), "hash": fp.hash, "data": {"x": "y"}}) == fp
