@@ -25,6 +25,13 @@ def kernel_source_hash() -> str | None:
     return core_hash()
 
 
+def moe_table_hash() -> str | None:
+    """The hash of the config table FlagGems reads (data, recorded beside the kernel hash)."""
+    from mxdb.fingerprint import moe_table_hash as core_table_hash
+
+    return core_table_hash()
+
+
 def _driver_version() -> str | None:
     try:
         import pynvml
@@ -160,8 +167,9 @@ def live_profile_fields(device_index: int = 0) -> dict[str, Any]:
         "regs_per_sm": int(regs_per_sm) if regs_per_sm else 65536,
         # Hopper warp-group MMA; Triton lowers a dot to it on sm_90 (sm_90a)
         "wgmma": c["arch"] == "sm_90",
-        # Triton 3.x's pipeliner on NVIDIA was measured (survey of vLLM's grid); others not
-        "smem_buffer_rule": "nvidia" if vendor == "nvidia" else "num_stages",
+        # Triton 3.x's pipeliner on NVIDIA was measured (survey of vLLM's grid); mcTriton's
+        # rule is calibrated on the recorded C500 failure; others were never measured
+        "smem_buffer_rule": {"nvidia": "nvidia", "metax": "mctriton"}.get(vendor, "num_stages"),
         "notes": (
             f"read live from torch.cuda.get_device_properties({device_index}) and Triton's "
             f"driver (torch {c['torch']}, triton {c['triton']})"

@@ -11,7 +11,17 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+from pydantic.json_schema import SkipJsonSchema
 
 from mxdb.errors import ConfigError
 from mxdb.hashing import canonical_hash
@@ -26,6 +36,19 @@ TRITON_KEYS = {
     "num_stages": "num_stages",
 }
 _FROM_TRITON = {v: k for k, v in TRITON_KEYS.items()}
+
+#: Launch keys beyond the tile config that vLLM's tables carry for some backends (ROCm:
+#: ``waves_per_eu``, ``matrix_instr_nonkdim``, ``kpack``; ``num_ctas``; Intel XPU:
+#: ``grf_mode``).  mxdb keeps them with the config they came with and writes them back; its
+#: own kernels never launch with them.
+EXTRA_LAUNCH_KEYS: tuple[str, ...] = (
+    "waves_per_eu",
+    "matrix_instr_nonkdim",
+    "kpack",
+    "num_ctas",
+    "grf_mode",
+)
+LaunchExtra = tuple[tuple[str, int | str], ...]
 
 
 def _is_pow2(n: int) -> bool:
@@ -43,6 +66,36 @@ class GemmConfig(BaseModel):
     group_m: int = Field(default=1, ge=1, le=256)
     num_warps: int = Field(default=4, ge=1, le=32)
     num_stages: int = Field(default=2, ge=1, le=16)
+    #: extra launch keys (``EXTRA_LAUNCH_KEYS``) in the order read; absent (None) for
+    #: every config mxdb measures, so its dump and hash are those of the six fields alone
+    extra: SkipJsonSchema[LaunchExtra | None] = Field(default=None, repr=False)
+
+    @field_validator("extra", mode="before")
+    @classmethod
+    def _extra_pairs(cls, value: Any) -> Any:
+        if isinstance(value, dict):
+            value = tuple(value.items())
+        if value is None or len(value) == 0:
+            return None
+        pairs = tuple((str(k), v) for k, v in value)
+        unknown = sorted({k for k, _ in pairs} - set(EXTRA_LAUNCH_KEYS))
+        if unknown:
+            raise ValueError(
+                f"unknown launch keys {unknown}; known: {', '.join(EXTRA_LAUNCH_KEYS)}"
+            )
+        for k, v in pairs:
+            if isinstance(v, bool) or not isinstance(v, (int, str)):
+                raise ValueError(f"launch key {k} must be an integer or a string, got {v!r}")
+        return pairs
+
+    @model_serializer(mode="wrap")
+    def _drop_absent_extra(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if self.extra is None:
+            data.pop("extra", None)
+        else:
+            data["extra"] = dict(self.extra)
+        return data
 
     @model_validator(mode="after")
     def _powers_of_two(self) -> GemmConfig:
@@ -53,20 +106,41 @@ class GemmConfig(BaseModel):
         return self
 
     def to_triton(self) -> dict[str, int]:
-        """The dict that ``invoke_fused_moe_triton_kernel`` and vLLM's tables use."""
-        return {TRITON_KEYS[k]: v for k, v in self.model_dump().items()}
+        """The dict that ``invoke_fused_moe_triton_kernel`` and vLLM's tables use.
+
+        Extra launch keys (an imported table's) follow the six tile keys, as vLLM writes them.
+        """
+        out: dict[str, Any] = {TRITON_KEYS[k]: getattr(self, k) for k in TRITON_KEYS}
+        for k, v in self.extra or ():
+            out[k] = v
+        return out
+
+    def without_extra(self) -> GemmConfig:
+        """The six-field tile config, without any extra launch keys."""
+        return self if self.extra is None else self.model_copy(update={"extra": None})
 
     @classmethod
     def from_triton(cls, data: dict[str, Any]) -> GemmConfig:
         """Parse a vLLM/FlagGems-style dict (``BLOCK_SIZE_M`` ... ``num_stages``)."""
         if not isinstance(data, dict):
             raise ConfigError(f"a GEMM config must be an object, got {type(data).__name__}")
-        unknown = sorted(set(data) - set(_FROM_TRITON) - set(TRITON_KEYS))
+        unknown = sorted(
+            set(data) - set(_FROM_TRITON) - set(TRITON_KEYS) - set(EXTRA_LAUNCH_KEYS) - {"extra"}
+        )
         if unknown:
             raise ConfigError(
-                f"unknown GEMM config keys {unknown}; valid keys are {', '.join(TRITON_KEYS.values())}"
+                f"unknown GEMM config keys {unknown}; valid keys are "
+                f"{', '.join(TRITON_KEYS.values())} (and launch keys "
+                f"{', '.join(EXTRA_LAUNCH_KEYS)})"
             )
-        fields = {_FROM_TRITON.get(k, k): v for k, v in data.items()}
+        fields: dict[str, Any] = {
+            _FROM_TRITON.get(k, k): v for k, v in data.items() if k not in EXTRA_LAUNCH_KEYS
+        }
+        extra = tuple((k, v) for k, v in data.items() if k in EXTRA_LAUNCH_KEYS)
+        if extra and "extra" in data:
+            raise ConfigError("give extra launch keys either flat or under 'extra', not both")
+        if extra:
+            fields["extra"] = extra
         try:
             return cls(**fields)
         except ValidationError as exc:
@@ -76,6 +150,7 @@ class GemmConfig(BaseModel):
         return (
             f"M{self.block_m}/N{self.block_n}/K{self.block_k}/G{self.group_m}"
             f"/w{self.num_warps}/s{self.num_stages}"
+            + "".join(f"/{k}={v}" for k, v in self.extra or ())
         )
 
 
@@ -159,7 +234,7 @@ def _gemm_any(data: Any) -> GemmConfig:
     if isinstance(data, dict) and any(k in data for k in _FROM_TRITON):
         return GemmConfig.from_triton(data)
     if isinstance(data, dict):
-        unknown = sorted(set(data) - set(TRITON_KEYS))
+        unknown = sorted(set(data) - set(TRITON_KEYS) - {"extra"})
         if unknown:
             raise ConfigError(
                 f"unknown GEMM config keys {unknown}; valid keys are "

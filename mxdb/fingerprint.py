@@ -25,6 +25,13 @@ from mxdb import __version__
 from mxdb.errors import InvalidInputError, NotFoundError, UsageError
 from mxdb.models import FINGERPRINT_COMPONENTS, Fingerprint
 
+#: Recorded facts of the environment that are data, not code: written beside the fingerprint
+#: (``fingerprint_document``, an evidence bundle's ``fingerprint.json``), never part of its
+#: hash or of a match policy.  ``flaggems_moe_table``: SHA-256 (16 hex digits) of the config
+#: table FlagGems reads.  Installing a table changes FlagGems' own choice (the baseline of
+#: later tunes), not the code a stored config runs, so it must not make entries stale.
+FINGERPRINT_DATA: tuple[str, ...] = ("flaggems_moe_table",)
+
 #: Components the GPU layer may pass to ``collect(live=...)``.
 LIVE_COMPONENTS: tuple[str, ...] = (
     "vendor",
@@ -48,10 +55,16 @@ FLAG_GEMS_DISTRIBUTIONS: tuple[str, ...] = ("flag_gems", "flag-gems")
 
 #: File names, anywhere inside the flag_gems package, whose bytes make up the
 #: fused-MoE kernel source: the kernel and its launch heuristics, the alignment
-#: and sum kernels, and the embedded config table (vendor backends included).
+#: and sum kernels, and the config tables vendor backends ship with their kernels.
 KERNEL_SOURCE_NAMES: frozenset[str] = frozenset(
     {"fused_moe.py", "moe_align_block_size.py", "moe_sum.py", "fused_moe_config.yaml"}
 )
+#: The config table FlagGems' main fused-MoE path reads (``get_embedded_moe_configs``),
+#: relative to the package: data, not kernel source.  The 5.0.2 wheel does not ship it; mxdb
+#: installs its export there (``mxdb export --format flaggems --install``).  It is left out of
+#: the kernel-source hash and recorded as the fingerprint's ``flaggems_moe_table`` instead,
+#: so installing a table does not make the host's stored entries stale.
+MOE_TABLE_PATH = "utils/configs/fused_moe_config.yaml"
 
 Policy = Literal["strict", "device"]
 
@@ -135,7 +148,13 @@ def kernel_source_hash(root: str | os.PathLike[str] | None = None) -> str | None
     base = Path(root) if root is not None else _find_package_dir("flag_gems")
     if base is None or not base.is_dir():
         return None
-    files = sorted(p for p in base.rglob("*") if p.name in KERNEL_SOURCE_NAMES and p.is_file())
+    files = sorted(
+        p
+        for p in base.rglob("*")
+        if p.name in KERNEL_SOURCE_NAMES
+        and p.is_file()
+        and p.relative_to(base).as_posix() != MOE_TABLE_PATH
+    )
     if not files:
         return None
     digest = hashlib.sha256()
@@ -144,6 +163,27 @@ def kernel_source_hash(root: str | os.PathLike[str] | None = None) -> str | None
         digest.update(rel.encode() + b"\0")
         digest.update(hashlib.sha256(path.read_bytes()).hexdigest().encode() + b"\n")
     return digest.hexdigest()[:16]
+
+
+def moe_table_hash(root: str | os.PathLike[str] | None = None) -> str | None:
+    """SHA-256 (16 hex digits) of the config table FlagGems reads (``MOE_TABLE_PATH``).
+
+    ``root`` is the flag_gems package directory (located with ``find_spec`` by default).
+    None when flag_gems or the table is absent (the 5.0.2 wheel ships none).
+    """
+    base = Path(root) if root is not None else _find_package_dir("flag_gems")
+    if base is None:
+        return None
+    table = base / MOE_TABLE_PATH
+    if not table.is_file():
+        return None
+    return hashlib.sha256(table.read_bytes()).hexdigest()[:16]
+
+
+def environment_data() -> dict[str, str]:
+    """This environment's ``FINGERPRINT_DATA`` that is present (read without imports)."""
+    table = moe_table_hash()
+    return {"flaggems_moe_table": table} if table else {}
 
 
 def collect(live: Mapping[str, Any] | None = None) -> Fingerprint:
@@ -265,6 +305,7 @@ def parse_fingerprint(data: Any, *, source: str = "fingerprint") -> Fingerprint:
             f"{source}: the fingerprint names no component; record one with "
             f"`mxdb fingerprint --json` (components: {', '.join(FINGERPRINT_COMPONENTS)})"
         )
+    body.pop("data", None)  # recorded facts outside the hash (FINGERPRINT_DATA)
     unknown = sorted(set(body) - set(FINGERPRINT_COMPONENTS))
     if unknown:
         raise InvalidInputError(
@@ -309,6 +350,7 @@ def describe(other: str | os.PathLike[str] | None = None) -> dict[str, Any]:
         "absent": current.absent(),
         "diff_against": None,
         "changes": [],
+        "data": environment_data(),
     }
     if other is not None:
         recorded_fp = load_fingerprint(other)
@@ -339,10 +381,12 @@ C500_M0: dict[str, Any] = {
     "mxdb": None,
 }
 
-#: FlagGems v5.0.2's fused-MoE source files (``KERNEL_SOURCE_NAMES`` under
-#: src/flag_gems of the git tag v5.0.2), hashed with ``kernel_source_hash``; an
-#: installed wheel that packs the same files gives the same hash.
-FLAG_GEMS_5_0_2_KERNEL_SOURCE_HASH = "b254b85a91cfc180"
+#: FlagGems 5.0.2's fused-MoE source files (``KERNEL_SOURCE_NAMES``, without the table at
+#: ``MOE_TABLE_PATH``) as the flag_gems-5.0.2-py3-none-any.whl wheel installs them, hashed with
+#: ``kernel_source_hash``: the value the H200 host recorded live (its shipped store's
+#: fingerprint).  Before the table was left out, the source tree of tag v5.0.2, which has
+#: that table, hashed to b254b85a91cfc180.
+FLAG_GEMS_5_0_2_KERNEL_SOURCE_HASH = "1505c6288d4b55f5"
 
 #: The lent H200 host: torch 2.11.0+cu130, Triton 3.6.0, driver 580.159.04,
 #: CUDA 13.0, FlagGems 5.0.2.

@@ -18,10 +18,11 @@ from mxdb.errors import GpuUnavailableError, UsageError
 
 #: How many shared-memory buffers Triton's software pipeliner allocates per
 #: pipelined load.  "nvidia": Triton 3.x on NVIDIA (``num_stages - 1``, one more
-#: when the dot lowers to Hopper wgmma; see ``mxdb.resources``).  "num_stages":
-#: one buffer per stage, the conservative rule for compilers whose pipeliner
-#: was not measured (mcTriton on MetaX).
-SmemBufferRule = Literal["nvidia", "num_stages"]
+#: when the dot lowers to Hopper wgmma; see ``mxdb.resources``), measured on the H200
+#: compile survey.  "mctriton": mcTriton on the MetaX C500, ``max(1, num_stages - 1)``,
+#: calibrated on the one recorded C500 compile failure (see ``mxdb.resources``).
+#: "num_stages": one buffer per stage, the upper bound for compilers never measured.
+SmemBufferRule = Literal["nvidia", "mctriton", "num_stages"]
 
 
 class DeviceProfile(BaseModel):
@@ -60,11 +61,13 @@ PROFILES: dict[str, DeviceProfile] = {
         max_threads_per_block=1024,
         regs_per_thread=255,
         regs_per_sm=65536,
-        smem_buffer_rule="num_stages",
+        smem_buffer_rule="mctriton",
         notes=(
             "smem_per_block (65,536 B) and warp_size (64) are measured facts of the C500 M0 "
-            "milestone; sm_count, arch, thread and register limits are assumed values, and the "
-            "shared-memory rule is the conservative one-buffer-per-stage rule"
+            "milestone; the shared-memory rule (num_stages - 1 buffers of the A and B tiles) "
+            "is calibrated on that milestone's one recorded compile failure (FlagGems' default "
+            "M16/N128/K128/G1/w4/s3, fp16: mcTriton asked for 73,728 B); sm_count, arch, "
+            "thread and register limits are assumed values"
         ),
     ),
     "h200": DeviceProfile(

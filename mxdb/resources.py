@@ -23,9 +23,18 @@ one buffer.  So, on NVIDIA::
 This matched the shared memory Triton 3.6.0 reported for all 97 configs of a
 fused-MoE-style grouped GEMM (gathered A rows, per-expert B) compiled on an
 H200, out-of-resource ones included; the epilogue's layout conversion reuses
-the pipeline's memory and never set the total.  Profiles whose compiler was
-not measured (mcTriton on the C500) use ``buffers = num_stages``, the upper
-bound.
+the pipeline's memory and never set the total.
+
+On the MetaX C500 (profile rule ``mctriton``): ``buffers = max(1, num_stages - 1)``
+(the C500 has no wgmma).  Calibrated on the one compile failure recorded on a real C500
+(C500 M0 milestone: MXMACA 3.5.3.20, FlagGems 5.0.2, shape M=4 E=8 H=4096 I=14336 k=2,
+fp16): for FlagGems' default config M16/N128/K128/G1/w4/s3 mcTriton asked for 73,728 B =
+2 x (16x128 + 128x128) x 2 B, above the 65,536 B limit; the milestone's safe anchor
+M16/N128/K64/w4/s2 (18,432 B) and its best config M16/N32/K64/w4/s2 (6,144 B) compiled
+and ran.  What is still an assumption: that the rule holds at other num_stages, tile sizes
+and for bf16 (one failing and two passing configs were recorded, all at BLOCK_M 16), and
+that nothing else (epilogue, layout conversion) ever needs more.  Profiles of compilers
+never measured use ``buffers = num_stages``, the upper bound.
 
 Registers.  The fp32 accumulator takes ``BLOCK_M * BLOCK_N / threads``
 registers per thread; ``acc + 0.75 * operand tile words per thread + 24``
@@ -179,6 +188,8 @@ def smem_buffers(gemm: GemmConfig, profile: DeviceProfile) -> int:
     """Shared-memory copies of the A and B tiles Triton keeps (see the module docstring)."""
     if profile.smem_buffer_rule == "num_stages":
         return gemm.num_stages
+    if profile.smem_buffer_rule == "mctriton":
+        return max(1, gemm.num_stages - 1)
     if uses_wgmma(gemm, profile):
         return gemm.num_stages
     return max(1, gemm.num_stages - 1)
@@ -353,10 +364,9 @@ def flaggems_default_config(shape: MoEShape) -> GemmConfig:
       ``num_stages * (BLOCK_M*BLOCK_K + BLOCK_K*BLOCK_N) * 2 > 200,000``.
 
     C500 M0 shape (M=4, E=8, H=4096, I=14336, k=2): t = 0, N = 14336, so
-    M16/N128/K128/G1/w4/s3.  Its estimate on the C500 (3 buffers of
-    (16x128 + 128x128) x 2 B) is 110,592 B, above 65,536 B; on the H200
-    (2 buffers, no wgmma at BLOCK_M 16) it is 73,728 B, which Triton 3.6
-    reported too.
+    M16/N128/K128/G1/w4/s3.  Its estimate (2 buffers of (16x128 + 128x128) x 2 B) is
+    73,728 B on the C500, which mcTriton reported there (above 65,536 B), and on the H200
+    (no wgmma at BLOCK_M 16), which Triton 3.6 reported too.
     """
     m = min(shape.tokens, FLAGGEMS_CHUNK_SIZE)
     n = shape.intermediate  # the heuristic does not use K = H

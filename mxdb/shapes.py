@@ -161,12 +161,23 @@ class MoEShape(tuple):  # type: ignore[type-arg]
         return e_active * 3 * h * i * DTYPE_BYTES[str(self[1])]
 
 
-#: Model presets: (experts, hidden, intermediate, topk).
+#: Model presets: (experts, hidden, intermediate, topk) of the routed-expert MoE layer, unsharded
+#: (the values of the models' public Hugging Face configs; ``mxdb.modelconfig`` shards them).
 PRESETS: dict[str, tuple[int, int, int, int]] = {
     "mixtral-8x7b": (8, 4096, 14336, 2),
+    "mixtral-8x22b": (8, 6144, 16384, 2),
     "qwen3-30b-a3b": (128, 2048, 768, 8),
+    "qwen3-235b-a22b": (128, 4096, 1536, 8),
+    "qwen1.5-moe-a2.7b": (60, 2048, 1408, 4),
+    "qwen2-57b-a14b": (64, 3584, 2560, 8),
     "deepseek-v2-lite": (64, 2048, 1408, 6),
+    "deepseek-v2": (160, 5120, 1536, 6),
+    "deepseek-v3": (256, 7168, 2048, 8),
+    "llama-4-scout": (16, 5120, 8192, 1),
+    "llama-4-maverick": (128, 5120, 8192, 1),
     "olmoe-1b-7b": (64, 2048, 1024, 8),
+    "gpt-oss-20b": (32, 2880, 2880, 4),
+    "gpt-oss-120b": (128, 2880, 2880, 4),
 }
 
 

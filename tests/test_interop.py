@@ -24,6 +24,7 @@ from mxdb.interop.export import (
     read_export,
 )
 from mxdb.models import Entry, Fingerprint
+from mxdb.resources import flaggems_default_config
 from mxdb.store import Store
 
 PEERS = Path(__file__).resolve().parent / "data" / "vllm_configs"
@@ -76,10 +77,8 @@ def test_import_peer_tables_as_unverified(store: Store) -> None:
 
 def test_vllm_round_trip_is_unchanged(store: Store, tmp_path: Path) -> None:
     import_vllm(store, [MIXTRAL])
-    ids = [e.id for e in store.entries(source="vllm", dtype="bf16") if e.id is not None]
-    store.set_status(ids, "verified")
     out = tmp_path / "vllm"
-    report = export_store(store, "vllm", out, ExportOptions(dtype="bf16"))
+    report = export_store(store, "vllm", out, ExportOptions(imported=True))
     assert report.files == [str(out / MIXTRAL.name)] and report.lossy == []
     original = {k: v for k, v in json.loads(MIXTRAL.read_text()).items() if k.isdigit()}
     assert json.loads((out / MIXTRAL.name).read_text()) == original
@@ -109,13 +108,16 @@ def test_flaggems_export_reads_back_as_flaggems_does(store: Store, tmp_path: Pat
             )
         )
     store.add_entries(rows)
-    report = export_store(store, "flaggems", tmp_path)
-    assert len(report.lossy) == 1 and "M=64" in report.lossy[0]
+    report = export_store(store, "flaggems", tmp_path, ExportOptions(fingerprint_hash=FP.hash))
+    assert report.lossy == []
     text = (tmp_path / "fused_moe_config.yaml").read_text()
     raw = yaml.safe_load(text)
     assert raw["NVIDIA_H200"]["8,14336,None,0,0"]["4"] == [16, 128, 64, 1, 4, 3]
     parsed = flaggems.parse(text)
-    assert parsed["NVIDIA_H200"]["8,14336,None,0,0"][64] == g1
+    # the split entry's key gets the baseline's config it was measured against, never GEMM1
+    rows64 = parsed["NVIDIA_H200"]["8,14336,None,0,0"]
+    assert rows64[64] == flaggems_default_config(shape.with_tokens(64)) != g1
+    assert sorted(rows64) == sorted(vllm.TUNER_BATCH_SIZES)
 
 
 def test_mxdb_export_import_round_trip(store: Store, tmp_path: Path) -> None:
@@ -177,7 +179,7 @@ def test_bad_export_files(tmp_path: Path, content: str, needle: str) -> None:
 def test_bad_vllm_tables_name_the_problem(tmp_path: Path, store: Store) -> None:
     bad = tmp_path / "E=8,N=14336,device_name=NVIDIA_H200.json"
     bad.write_text('{"1": {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 48, "BLOCK_SIZE_K": 64}}')
-    with pytest.raises(InvalidInputError, match="entry M=1: .*power of two"):
+    with pytest.raises(InvalidInputError, match="key '1': .*power of two"):
         vllm.table_entries(bad)
     with pytest.raises(InvalidInputError, match="does not exist"):
         import_vllm(store, [tmp_path / "missing.json"])
@@ -228,8 +230,7 @@ def test_cli_import_export(tmp_path: Path) -> None:
             "export",
             "--format",
             "vllm",
-            "--status",
-            "imported",
+            "--imported",
             "--out",
             str(tmp_path / "x"),
             "--db",

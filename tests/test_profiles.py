@@ -19,7 +19,8 @@ from mxdb.profiles import (
 def test_c500_facts_from_design() -> None:
     c500 = get_profile("c500")
     assert (c500.smem_per_block, c500.warp_size, c500.vendor) == (65536, 64, "metax")
-    assert c500.smem_buffer_rule == "num_stages"  # the conservative rule where unmeasured
+    assert c500.smem_buffer_rule == "mctriton"  # calibrated on the recorded C500 failure
+    assert "73,728" in c500.notes and "assumed" in c500.notes
 
 
 def test_h200_facts() -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import create_engine, inspect, text
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.pool import NullPool
 
 from mxdb.errors import CorruptStoreError, SchemaTooNewError, StoreError
@@ -47,7 +48,7 @@ def test_head_schema_matches_the_table_definitions(db_url: str) -> None:
             )
     finally:
         engine.dispose()
-    assert head_revision() == "0004"
+    assert head_revision() == "0005"
 
 
 def test_upgrade_from_0001_preserves_data(db_url: str) -> None:
@@ -85,8 +86,43 @@ def test_upgrade_from_0001_preserves_data(db_url: str) -> None:
         assert store.add_points("job", [("a", {"x": 1})]) == 1
         claim = store.claim_point("job", "w")
         assert claim is not None and store.complete_point(claim)
-        # The natural key from 0001 still refuses duplicates.
+        # The natural key (0004's, with the device) still refuses duplicates.
         assert store.add_entries([e])[0] == e.id
+
+
+def test_upgrade_to_0004_puts_the_device_in_the_natural_key(db_url: str) -> None:
+    upgrade(db_url, "0003")
+    engine = _engine(db_url)
+    insert = (
+        "INSERT INTO entries (op, dtype, family, dims, tokens, routing_class, config,"
+        " config_hash, fingerprint_hash, device_name, status, source, created_at) VALUES"
+        " ('fused_moe', 'bf16', 'E8-I7168', '{}', 1, 'uniform', '{}', 'c1', NULL, :dev,"
+        " 'imported', 'vllm', '2024-01-02 03:04:05')"
+    )
+    try:
+        with engine.begin() as conn:
+            conn.execute(text(insert), {"dev": "NVIDIA_H100_80GB_HBM3"})
+        with pytest.raises(IntegrityError), engine.begin() as conn:
+            # 0003: another device's identical row collides
+            conn.execute(text(insert), {"dev": "NVIDIA_A100-SXM4-80GB"})
+    finally:
+        engine.dispose()
+    with Store.open(db_url) as store:
+        [old] = store.entries()
+        other = old.model_copy(update={"id": None, "device_name": "NVIDIA_A100-SXM4-80GB"})
+        same = old.model_copy(update={"id": None})
+        ids = store.add_entries([other, same])
+        assert ids[1] == old.id and ids[0] != old.id
+        assert {e.device_name for e in store.entries()} == {
+            "NVIDIA_H100_80GB_HBM3",
+            "NVIDIA_A100-SXM4-80GB",
+        }
+    engine = _engine(db_url)
+    try:
+        assert "uq_entries_natural_key_device" in _index_names(engine, "entries")
+        assert "uq_entries_natural_key" not in _index_names(engine, "entries")
+    finally:
+        engine.dispose()
 
 
 def test_schema_too_new_refuses_and_changes_nothing(db_url: str) -> None:
@@ -102,7 +138,7 @@ def test_schema_too_new_refuses_and_changes_nothing(db_url: str) -> None:
     with pytest.raises(SchemaTooNewError) as info:
         Store.open(db_url)
     msg = str(info.value)
-    assert "schema revision 9999_future, newer than this mxdb knows (head 0004)" in msg
+    assert "schema revision 9999_future, newer than this mxdb knows (head 0005)" in msg
     assert "pip install -U mxdb" in msg and "--db" in msg
     assert "database at " in msg
     engine = _engine(db_url)

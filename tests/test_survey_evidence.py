@@ -108,7 +108,7 @@ def test_small_survey_is_clean_and_its_figures_are_right(tmp_path: Path, raw: di
     assert audit_paths([root]).ok
     doc = json.loads((root / SURVEY_FILE).read_text())
     c = doc["claims"]
-    assert doc["schema"] == "mxdb.compile-survey" and doc["schema_version"] == "1.0"
+    assert doc["schema"] == "mxdb.compile-survey" and doc["schema_version"] == "1.1"
     assert c["grid_configs"] == 32 and c["distinct_compiles"] == 16
     # M256/N64/K64/w4 fails to compile at both stages, for both GROUP_SIZE_M values
     assert c["by_failure_kind"]["compile_error"] == {

@@ -32,7 +32,7 @@ BASE = {"name": "w", "models": ["mixtral-8x7b"], "tokens": [4]}
 @pytest.mark.parametrize(
     ("patch", "needle"),
     [
-        ({"models": ["nope"]}, "accepted presets: deepseek-v2-lite"),
+        ({"models": ["nope"]}, "accepted presets: deepseek-v2, deepseek-v2-lite"),
         ({"routings": [{"kind": "gauss"}]}, "accepted kinds: uniform, zipf, hot, replay"),
         (
             {"routings": [{"kind": "zipf", "s": 1}]},

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import get_args
+from typing import Any, TypeVar, get_args
 
 import click
 
@@ -13,14 +14,50 @@ from mxdb.models import ROUTING_CLASSES, EntryStatus
 
 ENTRY_STATUSES: tuple[str, ...] = get_args(EntryStatus)
 
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _model_options(fn: F) -> F:
+    """--model config.json, --tp N, --ep N: a model's per-shard MoE shape."""
+    fn = click.option(
+        "--ep",
+        type=int,
+        default=1,
+        show_default=True,
+        help="Expert-parallel ranks (vLLM's --enable-expert-parallel): E/ep whole experts a rank.",
+    )(fn)
+    fn = click.option(
+        "--tp", type=int, default=1, show_default=True, help="Tensor-parallel ranks."
+    )(fn)
+    fn = click.option(
+        "--model",
+        "model_config",
+        type=click.Path(path_type=Path),
+        help="A Hugging Face config.json (or its folder) giving the per-shard MoE shape.",
+    )(fn)
+    return fn
+
+
+def _model_dims(model_config: Path | None, tp: int, ep: int) -> tuple[int, int, int, int] | None:
+    """(E, H, N, k) of one shard of --model, or None without it."""
+    from mxdb.errors import UsageError
+
+    if model_config is None:
+        if tp != 1 or ep != 1:
+            raise UsageError("--tp and --ep shard a model given with --model")
+        return None
+    from mxdb.modelconfig import load as load_model
+
+    e, h, n, k = load_model(model_config, tp=tp, ep=ep).dims()
+    return e, h, n, min(k, e)
+
 
 @cli.command("dispatch")
-@click.option("--experts", "-E", type=int, required=True, help="Number of experts E.")
-@click.option("--hidden", "-H", type=int, required=True, help="Hidden size H.")
-@click.option(
-    "--intermediate", "-I", type=int, required=True, help="Per-expert intermediate size I."
-)
-@click.option("--topk", "-k", type=int, required=True, help="Experts per token k.")
+@click.option("--experts", "-E", type=int, help="Number of experts E.")
+@click.option("--hidden", "-H", type=int, help="Hidden size H.")
+@click.option("--intermediate", "-I", type=int, help="Per-expert intermediate size I.")
+@click.option("--topk", "-k", type=int, help="Experts per token k.")
+@_model_options
 @click.option("--tokens", "-M", type=int, required=True, help="Tokens in the batch M.")
 @click.option(
     "--dtype",
@@ -58,10 +95,13 @@ ENTRY_STATUSES: tuple[str, ...] = get_args(EntryStatus)
 @json_option
 @handle_errors
 def dispatch_cmd(
-    experts: int,
-    hidden: int,
-    intermediate: int,
-    topk: int,
+    experts: int | None,
+    hidden: int | None,
+    intermediate: int | None,
+    topk: int | None,
+    model_config: Path | None,
+    tp: int,
+    ep: int,
     tokens: int,
     dtype: str,
     routing_trace: Path | None,
@@ -74,9 +114,23 @@ def dispatch_cmd(
     """Print the config mxdb dispatches for one MoE call, with its level and reason.
 
     A fallback (no confident answer) is a valid answer: the caller then uses
-    FlagGems' own choice. Exit 0 for any decision, 2 for bad input.
+    FlagGems' own choice. Exit 0 for any decision, 2 for bad input.  The shape is
+    --experts/--hidden/--intermediate/--topk, or --model config.json [--tp N] [--ep N]
+    (explicit sizes override the model's).
     """
+    from mxdb.errors import UsageError
     from mxdb.service import dispatch_once
+
+    dims = _model_dims(model_config, tp, ep)
+    if dims is not None:
+        experts = experts if experts is not None else dims[0]
+        hidden = hidden if hidden is not None else dims[1]
+        intermediate = intermediate if intermediate is not None else dims[2]
+        topk = topk if topk is not None else dims[3]
+    if experts is None or hidden is None or intermediate is None or topk is None:
+        raise UsageError(
+            "give the shape: --experts, --hidden, --intermediate and --topk, or --model"
+        )
 
     result = dispatch_once(
         db,
@@ -119,22 +173,65 @@ def import_group() -> None:
     "--hidden", type=int, help="Hidden size H (default: from a known model with this E, N)."
 )
 @click.option("--topk", type=int, help="Experts per token k (default: from a known model).")
+@_model_options
 @db_option
 @json_option
 @handle_errors
 def import_vllm_cmd(
-    paths: tuple[Path, ...], hidden: int | None, topk: int | None, db: str | None, as_json: bool
+    paths: tuple[Path, ...],
+    hidden: int | None,
+    topk: int | None,
+    model_config: Path | None,
+    tp: int,
+    ep: int,
+    db: str | None,
+    as_json: bool,
 ) -> None:
     """Read vLLM fused-MoE tables (files or folders) as imported, unverified entries.
 
     Imported entries are never dispatched as verified; the tuner uses them as
-    search seeds until they are measured in this environment.
+    search seeds until they are measured in this environment.  Extra launch keys
+    (kpack, waves_per_eu, ...) are kept; a row mxdb cannot keep is skipped and named.
+    --model config.json [--tp N] [--ep N] names H and k of the table of that model's shard.
     """
     from mxdb.interop.export import import_vllm
     from mxdb.store import Store
 
+    shape = _model_dims(model_config, tp, ep)
     with Store.open(db) as store:
-        report = import_vllm(store, list(paths), hidden=hidden, topk=topk)
+        report = import_vllm(store, list(paths), hidden=hidden, topk=topk, shape=shape)
+    _print_import(report, as_json)
+
+
+@import_group.command("flaggems")
+@click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--hidden", type=int, help="Hidden size H (default: from a known model).")
+@click.option("--topk", type=int, help="Experts per token k (default: from a known model).")
+@_model_options
+@db_option
+@json_option
+@handle_errors
+def import_flaggems_cmd(
+    path: Path,
+    hidden: int | None,
+    topk: int | None,
+    model_config: Path | None,
+    tp: int,
+    ep: int,
+    db: str | None,
+    as_json: bool,
+) -> None:
+    """Read a FlagGems fused_moe_config.yaml's unquantized tables as imported entries."""
+    from mxdb.interop.export import import_flaggems
+    from mxdb.store import Store
+
+    shape = _model_dims(model_config, tp, ep)
+    with Store.open(db) as store:
+        report = import_flaggems(store, path, shape=shape, hidden=hidden, topk=topk)
+    _print_import(report, as_json)
+
+
+def _print_import(report: Any, as_json: bool) -> None:
     if report.files and report.read == 0:
         raise InvalidInputError(
             f"every one of the {report.files} table file(s) was skipped, nothing was imported: "
@@ -143,10 +240,10 @@ def import_vllm_cmd(
         )
     if as_json:
         emit_json(report.to_dict())
-    else:
-        click.echo(f"read {report.read} entries from {report.files} files; added {report.added}")
-        for why in report.skipped:
-            click.echo(f"skipped: {why}", err=True)
+        return
+    click.echo(f"read {report.read} entries from {report.files} files; added {report.added}")
+    for why in report.skipped:
+        click.echo(f"skipped: {why}", err=True)
 
 
 @import_group.command("mxdb")
@@ -173,11 +270,19 @@ def import_mxdb_cmd(path: Path, db: str | None, as_json: bool) -> None:
     "fmt",
     type=click.Choice(["mxdb", "vllm", "flaggems"]),
     required=True,
-    help="mxdb: lossless JSON; vllm: E=..,N=..,device_name=...json files; "
-    "flaggems: fused_moe_config.yaml.",
+    help="mxdb: lossless JSON; vllm: E=..,N=..,device_name=...json files for "
+    "$VLLM_TUNED_CONFIG_FOLDER; flaggems: fused_moe_config.yaml.",
 )
 @click.option(
-    "--out", required=True, type=click.Path(path_type=Path), help="Folder (or file for mxdb)."
+    "--out",
+    type=click.Path(path_type=Path),
+    help="Folder (or file for mxdb). Not needed with --install.",
+)
+@click.option(
+    "--fingerprint",
+    "fingerprint",
+    help="vllm/flaggems: whose rows to write: a fingerprint hash, a fingerprint JSON file or "
+    "a recorded name (h200, c500-m0). Default: this host's.",
 )
 @click.option(
     "--dtype",
@@ -200,33 +305,103 @@ def import_mxdb_cmd(path: Path, db: str | None, as_json: bool) -> None:
     multiple=True,
     default=("verified", "baseline"),
     show_default=True,
-    help="Entry statuses to export (repeatable); vllm/flaggems tables take verified ones only.",
+    help="mxdb: entry statuses to export (repeatable).",
+)
+@click.option(
+    "--imported",
+    is_flag=True,
+    help="vllm: write the imported vLLM tables back as they were read (every device).",
+)
+@click.option(
+    "--merge",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="flaggems: merge into this table document, keeping its other devices, keys and _FALLBACK.",
+)
+@click.option(
+    "--install",
+    is_flag=True,
+    help="flaggems: write FlagGems' own fused_moe_config.yaml (merged into the installed "
+    "one, which is backed up first).",
 )
 @db_option
 @json_option
 @handle_errors
 def export_cmd(
     fmt: str,
-    out: Path,
+    out: Path | None,
+    fingerprint: str | None,
     dtype: str,
     routing_class: str,
     statuses: tuple[str, ...],
+    imported: bool,
+    merge: Path | None,
+    install: bool,
     db: str | None,
     as_json: bool,
 ) -> None:
-    """Write the store's best verified configs for mxdb, vLLM or FlagGems to read unchanged."""
+    """Write the store's rows for mxdb, vLLM or FlagGems to read unchanged.
+
+    vllm/flaggems: one fingerprint's tables, dense (a row at every M vLLM's tuner writes,
+    1 ... 4096) and measured (verified uniform configs, FlagGems' config where nothing beat
+    it, vLLM's own imported rows elsewhere; never half of a split entry).
+    """
+    from mxdb.errors import UsageError
     from mxdb.interop.export import ExportOptions, export_store
     from mxdb.store import Store
 
-    opts = ExportOptions(statuses=statuses, dtype=dtype, routing_class=routing_class)
+    if fmt != "flaggems" and (merge is not None or install):
+        raise UsageError("--merge and --install apply to --format flaggems only")
+    if fmt != "vllm" and imported:
+        raise UsageError("--imported applies to --format vllm only")
+    if install and out is not None:
+        raise UsageError("give --out or --install, not both")
+    fp_hash = None
+    if fmt in ("vllm", "flaggems") and not imported:
+        fp_hash = _fingerprint_hash(fingerprint)
+    opts = ExportOptions(
+        statuses=statuses,
+        dtype=dtype,
+        routing_class=routing_class,
+        fingerprint_hash=fp_hash,
+        imported=imported,
+        merge=merge,
+        install=install,
+    )
     with Store.open(db, create=False) as store:
         report = export_store(store, fmt, out, opts)
     if as_json:
         emit_json(report.to_dict())
-    else:
-        click.echo(f"wrote {report.entries} entries to {len(report.files)} file(s) under {out}")
-        for line in report.lossy:
-            click.echo(f"lossy: {line}", err=True)
+        return
+    where = ", ".join(report.files) if install else f"{len(report.files)} file(s) under {out}"
+    click.echo(f"wrote {report.rows or report.entries} rows to {where}")
+    if report.fingerprint:
+        sources = ", ".join(f"{n} {s}" for s, n in report.row_sources.items()) or "none"
+        click.echo(
+            f"fingerprint {report.fingerprint} ({report.device_name or 'unknown device'}); "
+            f"rows by source: {sources}"
+        )
+    if report.backup:
+        click.echo(f"previous table backed up to {report.backup}")
+    if fmt == "vllm" and report.files:
+        click.echo(f"point vLLM at it: export VLLM_TUNED_CONFIG_FOLDER={Path(str(out)).resolve()}")
+    for line in [*report.notes, *report.lossy]:
+        click.echo(f"note: {line}", err=True)
+
+
+def _fingerprint_hash(value: str | None) -> str:
+    """A fingerprint hash from --fingerprint: a hash, a JSON file or a recorded name."""
+    import re
+
+    from mxdb.dispatcher import current_fingerprint
+    from mxdb.fingerprint import RECORDED, load_fingerprint, recorded
+
+    if value is None:
+        return current_fingerprint().hash
+    if value in RECORDED:
+        return recorded(value).hash
+    if re.fullmatch(r"[0-9a-f]{16}", value):
+        return value
+    return load_fingerprint(value).hash
 
 
 @cli.group("db")

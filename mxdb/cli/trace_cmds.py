@@ -87,6 +87,8 @@ def fingerprint_cmd(other: Path | None, as_json: bool) -> None:
             (k, "absent" if v is None else v) for k, v in fp.items() if k != "hash"
         ]
         rows.append(("hash", fp["hash"]))
+        # recorded data outside the hash (the FlagGems config table's hash, when installed)
+        rows.append(("flaggems_moe_table", doc["data"].get("flaggems_moe_table", "absent")))
         _print_rows("fingerprint", rows)
         if other is not None:
             changes = doc["changes"]

@@ -78,6 +78,21 @@ def _require_gpu_packages() -> None:
     "tests; its results are not real measurements).",
 )
 @click.option("--no-progress", is_flag=True, help="Do not draw the progress bar on stderr.")
+@click.option(
+    "--model",
+    "model_config",
+    type=click.Path(path_type=str),
+    help="A Hugging Face config.json (or its folder): tune this model's per-shard MoE shape "
+    "instead of the workload's models (token counts, routings and search from the workload).",
+)
+@click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel ranks.")
+@click.option(
+    "--ep",
+    type=int,
+    default=1,
+    show_default=True,
+    help="Expert-parallel ranks (vLLM's --enable-expert-parallel): E/ep whole experts a rank.",
+)
 @json_option
 @handle_errors
 def tune_cmd(
@@ -88,6 +103,9 @@ def tune_cmd(
     devices: str | None,
     backend: str,
     no_progress: bool,
+    model_config: str | None,
+    tp: int,
+    ep: int,
     as_json: bool,
 ) -> None:
     """Tune the fused-MoE configs of WORKLOAD (a YAML or JSON file; see examples/workloads/).
@@ -103,6 +121,19 @@ def tune_cmd(
     from mxdb.tune.workload import load_workload
 
     wl = load_workload(workload)
+    if model_config is not None:
+        from mxdb.modelconfig import load as load_model
+        from mxdb.tune.workload import ModelSpec
+
+        moe = load_model(model_config, tp=tp, ep=ep)
+        e, h, n, k = moe.dims()
+        label = f"{moe.architecture}-tp{tp}-ep{ep}"
+        spec = ModelSpec(name=label, experts=e, hidden=h, intermediate=n, topk=min(k, e))
+        wl = wl.model_copy(update={"models": [spec]})
+        if not as_json:
+            click.echo(moe.describe(), err=True)
+    elif tp != 1 or ep != 1:
+        raise UsageError("--tp and --ep shard a model given with --model")
     devs = _devices(devices)
     if backend == "gpu":
         _require_gpu_packages()

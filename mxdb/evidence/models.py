@@ -28,14 +28,14 @@ SCHEMA_VERSION = "1.0"
 #: The schema versions the auditor understands, per document name.
 KNOWN_VERSIONS: dict[str, tuple[str, ...]] = {
     "mxdb.manifest": ("1.0",),
-    "mxdb.fingerprint": ("1.0",),
+    "mxdb.fingerprint": ("1.0", "1.1"),
     "mxdb.trace": ("1.0",),
     "mxdb.run": ("1.0", "1.1"),
     "mxdb.summary": ("1.0", "1.1"),
     "mxdb.report": ("1.0",),
     "mxdb.signature": ("1.0",),
     "mxdb.store-export": ("1.0", "1.1"),
-    "mxdb.compile-survey": ("1.0",),
+    "mxdb.compile-survey": ("1.0", "1.1"),
     "mxdb.decode": ("1.0",),
     "mxdb.peers": ("1.0",),
     "mxdb.lean-layer": ("1.0",),
@@ -99,13 +99,29 @@ class SignatureDoc(_Doc):
     signature: str = Field(description="base64 of the 64-byte Ed25519 signature")
 
 
+def _data_optional(schema: dict[str, Any]) -> None:
+    # 1.0 documents have no ``data``: it stays optional in the schema
+    schema["required"] = [r for r in schema.get("required", []) if r != "data"]
+
+
 class FingerprintDoc(_Doc):
-    """``fingerprint.json``: the environment of the milestone."""
+    """``fingerprint.json``: the environment of the milestone.
+
+    1.1 added ``data``: recorded facts of the environment that are not part of the
+    fingerprint's hash (``mxdb.fingerprint.FINGERPRINT_DATA``, e.g. the hash of the config
+    table FlagGems reads).
+    """
+
+    model_config = ConfigDict(**_FROZEN, json_schema_extra=_data_optional)
 
     schema_name: Literal["mxdb.fingerprint"] = Field(default="mxdb.fingerprint", alias="schema")
-    schema_version: Literal["1.0"] = "1.0"
+    schema_version: Literal["1.0", "1.1"] = "1.1"
     fingerprint: Fingerprint
     hash: str = Field(pattern=_HEX16)
+    data: dict[str, str] = Field(
+        default_factory=dict,
+        description="recorded facts outside the hash, e.g. flaggems_moe_table",
+    )
 
 
 class TraceGenerator(_Doc):

@@ -161,7 +161,8 @@ class CompileSurvey(_Doc):
     schema_name: Literal["mxdb.compile-survey"] = Field(
         default="mxdb.compile-survey", alias="schema"
     )
-    schema_version: Literal["1.0"] = "1.0"
+    #: 1.1: the device profile's shared-memory rule may be ``mctriton``
+    schema_version: Literal["1.0", "1.1"] = "1.1"
     milestone: str = Field(pattern=_ID)
     what: str
     kernel: str

@@ -103,6 +103,7 @@ class BundleWriter:
         milestone: str,
         fingerprint: Fingerprint,
         bundle_id: str | None = None,
+        fingerprint_data: Mapping[str, str] | None = None,
     ) -> None:
         self.root = Path(out_dir)
         if self.root.exists() and (not self.root.is_dir() or any(self.root.iterdir())):
@@ -120,7 +121,9 @@ class BundleWriter:
         self._traces: dict[str, int] = {}  # hash -> active experts
         self._trace_dims: dict[str, tuple[int, int, int]] = {}
         self._finished = False
-        doc = FingerprintDoc(fingerprint=fingerprint, hash=self.fingerprint_hash)
+        doc = FingerprintDoc(
+            fingerprint=fingerprint, hash=self.fingerprint_hash, data=dict(fingerprint_data or {})
+        )
         self._write("fingerprint.json", doc.to_json_dict())
 
     # -- content ---------------------------------------------------------------------------

@@ -3,8 +3,8 @@
 ``mxdb`` format: one JSON document (``StoreExport``) with the fingerprints and
 entries, lossless; ``import`` of it into another store gives the same
 dispatches.  ``vllm`` and ``flaggems`` formats hold one config per (E, N, M)
-used for both GEMMs: an entry whose two GEMMs differ, or whose alignment block
-is not its BLOCK_SIZE_M, is exported as its GEMM1 config and listed as lossy.
+used for both GEMMs: the rows of one fingerprint, dense and measured, by the rule of
+:mod:`mxdb.interop.tables` (never half of a split entry).
 """
 
 from __future__ import annotations
@@ -19,12 +19,10 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mxdb import __version__
-from mxdb.configs import GemmConfig, KernelConfig
 from mxdb.errors import InvalidInputError, UsageError
 from mxdb.fileio import atomic_write_json, atomic_write_text
-from mxdb.interop import flaggems, vllm
+from mxdb.interop import flaggems, tables, vllm
 from mxdb.models import Entry, Fingerprint, utcnow
-from mxdb.shapes import canonical_dtype
 
 if TYPE_CHECKING:
     from mxdb.store import Store
@@ -63,7 +61,14 @@ class ExportOptions:
     statuses: tuple[str, ...] = ("verified", "baseline")
     dtype: str = "bf16"
     routing_class: str = "uniform"
+    #: vllm/flaggems: the fingerprint whose rows to write (required for those formats)
     fingerprint_hash: str | None = None
+    #: vllm: write the imported vLLM tables back as read (every device), not tuned rows
+    imported: bool = False
+    #: flaggems: a table document to merge into (its other devices, keys, _FALLBACK kept)
+    merge: Path | None = None
+    #: flaggems: write FlagGems' own file (merging into it), with a backup
+    install: bool = False
 
 
 @dataclass
@@ -74,6 +79,12 @@ class ExportReport:
     files: list[str] = field(default_factory=list)
     entries: int = 0
     lossy: list[str] = field(default_factory=list)
+    fingerprint: str | None = None
+    device_name: str | None = None
+    rows: int = 0
+    row_sources: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    backup: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -81,6 +92,12 @@ class ExportReport:
             "files": self.files,
             "entries": self.entries,
             "lossy": self.lossy,
+            "fingerprint": self.fingerprint,
+            "device_name": self.device_name,
+            "rows": self.rows,
+            "row_sources": self.row_sources,
+            "notes": self.notes,
+            "backup": self.backup,
         }
 
 
@@ -145,14 +162,22 @@ def import_vllm(
     *,
     hidden: int | None = None,
     topk: int | None = None,
+    shape: tuple[int, int, int, int] | None = None,
 ) -> vllm.ImportReport:
-    """Import vLLM tables as imported, unverified entries (search seeds, never dispatched)."""
+    """Import vLLM tables as imported, unverified entries (search seeds, never dispatched).
+
+    Rows with keys mxdb cannot keep are skipped (each named in ``report.skipped`` with its
+    file and key); the rest of their table is imported.  ``shape`` (E, H, N, k): the model's
+    per-shard MoE shape (``--model``), which names H and k of the table with that (E, N).
+    """
     report = vllm.ImportReport()
     entries: list[Entry] = []
     for path in vllm.expand_paths(paths):
         report.files += 1
         try:
-            found = vllm.table_entries(path, hidden=hidden, topk=topk)
+            found = vllm.table_entries(
+                path, hidden=hidden, topk=topk, skipped=report.skipped, shape=shape
+            )
         except InvalidInputError as exc:
             report.skipped.append(str(exc))
             continue
@@ -165,68 +190,132 @@ def import_vllm(
 
 
 def export_store(
-    store: Store, fmt: str, out: str | Path, options: ExportOptions | None = None
+    store: Store, fmt: str, out: str | Path | None, options: ExportOptions | None = None
 ) -> ExportReport:
-    """Write the store's best entries in ``fmt`` (mxdb, vllm, flaggems) under ``out``.
+    """Write the store's rows in ``fmt`` (mxdb, vllm, flaggems).
 
     ``mxdb``: ``out`` is the file to write (or a folder, which gets ``mxdb-export.json``).
-    ``vllm``: one ``E=..,N=..,device_name=...json`` per table in folder ``out``.
-    ``flaggems``: ``out/fused_moe_config.yaml``.
+    ``vllm``: one ``E=..,N=..,device_name=...json`` per table in folder ``out``, for
+    ``$VLLM_TUNED_CONFIG_FOLDER``.  ``flaggems``: ``out/fused_moe_config.yaml``, or FlagGems'
+    own file with ``install``.  The table formats write one fingerprint's rows
+    (``options.fingerprint_hash``), dense and measured (:mod:`mxdb.interop.tables`).
     """
     opts = options or ExportOptions()
     if fmt not in FORMATS:
         raise UsageError(f"export format {fmt!r} unknown; use one of {', '.join(FORMATS)}")
     report = ExportReport(format=fmt)
-    out_path = Path(out)
+    if out is None and not (fmt == "flaggems" and opts.install):
+        raise UsageError("--out is required (or --install, for the flaggems format)")
+    out_path = Path(out) if out is not None else None
     if fmt == "mxdb":
+        assert out_path is not None
         doc = build_export(store, opts.statuses)
         target = out_path / "mxdb-export.json" if out_path.is_dir() else out_path
         atomic_write_text(target, doc.to_json() + "\n")
         report.files.append(str(target))
         report.entries = len(doc.entries)
         return report
-    tables = best_tables(store, opts, report)
-    if fmt == "vllm":
-        for (device, experts, inter), configs in sorted(tables.items()):
-            name = vllm.TableName(experts, inter, device, None, None).file_name()
-            atomic_write_text(out_path / name, vllm.render_table(configs))
+    if fmt == "vllm" and opts.imported:
+        assert out_path is not None
+        for name, rows in sorted(tables.imported_tables(store).items()):
+            atomic_write_text(out_path / name, vllm.render_table(rows))
             report.files.append(str(out_path / name))
+            report.rows += len(rows)
+        report.entries = report.rows
+        return report
+    if not opts.fingerprint_hash:
+        raise UsageError(f"the {fmt} format writes one fingerprint's rows: give --fingerprint")
+    fp_hash = tables.resolve_fingerprint(store, opts.fingerprint_hash)
+    built = tables.build(store, fp_hash, dtype=opts.dtype, routing_class=opts.routing_class)
+    report.fingerprint = fp_hash
+    report.device_name = built.device_name
+    report.rows = built.rows()
+    report.entries = report.rows
+    report.row_sources = built.sources()
+    report.notes = list(built.notes)
+    if fmt == "vllm":
+        assert out_path is not None
+        device = vllm.device_key(built.device_name)
+        for (experts, inter), table in sorted(built.tables.items()):
+            name = vllm.TableName(experts, inter, device, None, None).file_name()
+            text = vllm.render_table(table.configs(), built.triton_version)
+            atomic_write_text(out_path / name, text)
+            report.files.append(str(out_path / name))
+        return report
+    device = flaggems.device_key(built.device_name)
+    nested = {
+        device: {
+            flaggems.table_key(e, n): t.configs() for (e, n), t in sorted(built.tables.items())
+        }
+    } if built.tables else {}  # fmt: skip
+    if opts.install:
+        target = flaggems.installed_path()
     else:
-        nested: dict[str, dict[str, dict[int, GemmConfig]]] = {}
-        for (device, experts, inter), configs in tables.items():
-            nested.setdefault(device, {})[flaggems.table_key(experts, inter)] = configs
-        target = out_path / "fused_moe_config.yaml"
-        atomic_write_text(target, flaggems.render(nested))
-        report.files.append(str(target))
+        assert out_path is not None
+        target = out_path / "fused_moe_config.yaml" if out_path.suffix != ".yaml" else out_path
+    base_path = opts.merge if opts.merge is not None else (target if opts.install else None)
+    base: dict[str, Any] = {}
+    if base_path is not None and Path(base_path).exists():
+        base = flaggems.load_raw(Path(base_path).read_text(), source=str(base_path))
+    elif opts.merge is not None:
+        raise InvalidInputError(f"--merge file {opts.merge} does not exist")
+    text = flaggems.render_raw(flaggems.merge(base, nested))
+    if opts.install:
+        backup = flaggems.install(text, target)
+        report.backup = str(backup) if backup is not None else None
+    else:
+        atomic_write_text(target, text)
+    report.files.append(str(target))
     return report
 
 
-def best_tables(
-    store: Store, opts: ExportOptions, report: ExportReport
-) -> dict[tuple[str, int, int], dict[int, GemmConfig]]:
-    """{(device, E, N): {M: config}} from the best entry per key (highest speedup, then newest)."""
-    dtype = canonical_dtype(opts.dtype)
-    chosen: dict[tuple[str, int, int, int], Entry] = {}
-    tables_statuses = [s for s in opts.statuses if s != "baseline"]
-    for e in store.entries(op="fused_moe", dtype=dtype, status=tables_statuses):
-        if e.routing_class != opts.routing_class:
-            continue
-        if opts.fingerprint_hash and e.fingerprint_hash != opts.fingerprint_hash:
-            continue
-        key = (vllm.device_key(e.device_name), e.dims["experts"], e.dims["intermediate"], e.tokens)
-        old = chosen.get(key)
-        if old is None or (e.speedup or 0.0, e.id or 0) > (old.speedup or 0.0, old.id or 0):
-            chosen[key] = e
-    tables: dict[tuple[str, int, int], dict[int, GemmConfig]] = {}
-    for (device, experts, inter, tokens), e in chosen.items():
-        config = KernelConfig.parse(e.config)
-        if config.gemm1 != config.gemm2 or config.align_block != config.gemm1.block_m:
-            report.lossy.append(
-                f"{device} E={experts} N={inter} M={tokens}: {config.short()} exported as GEMM1 only"
-            )
-        tables.setdefault((device, experts, inter), {})[tokens] = config.gemm1
-        report.entries += 1
-    return tables
+def import_flaggems(
+    store: Store,
+    path: str | Path,
+    *,
+    shape: tuple[int, int, int, int] | None = None,
+    hidden: int | None = None,
+    topk: int | None = None,
+) -> vllm.ImportReport:
+    """Import a FlagGems table document's unquantized rows as imported entries (search seeds).
+
+    Each device's ``"E,N,None,0,0"`` table becomes entries like an imported vLLM table of that
+    device (source ``flaggems``); quantized keys and unreadable rows are skipped and named.
+    """
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        raise InvalidInputError(f"FlagGems table {p} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InvalidInputError(f"cannot read FlagGems table {p}: {exc}") from None
+    report = vllm.ImportReport(files=1)
+    parsed, skipped = flaggems.parse_rows(text, source=p.name)
+    report.skipped.extend(skipped)
+    entries: list[Entry] = []
+    for device, keyed in parsed.items():
+        for key, rows in keyed.items():
+            parts = flaggems.split_key(key)
+            if parts is None:
+                report.skipped.append(f"{p.name}: {device} key {key!r} is not E,N,dtype,bn,bk")
+                continue
+            experts, inter, qdtype, bn, bk = parts
+            if qdtype is not None or bn or bk:
+                report.skipped.append(
+                    f"{p.name}: {device} {key}: quantized tables are not supported"
+                )
+                continue
+            name = vllm.TableName(experts, inter, device, None, None).file_name()
+            found = vllm.entries_for_rows(
+                name, rows, hidden=hidden, topk=topk, shape=shape, source="flaggems",
+                evidence=f"{p.name}:{device}:{key}",
+            )  # fmt: skip
+            entries.extend(found)
+    report.read = len(entries)
+    before = sum(store.count_entries(source="flaggems").values())
+    store.add_entries(entries)
+    report.added = sum(store.count_entries(source="flaggems").values()) - before
+    return report
 
 
 def write_export_json(path: str | Path, doc: StoreExport) -> Path:

@@ -20,16 +20,13 @@ from typing import Any
 from mxdb.configs import GemmConfig, KernelConfig
 from mxdb.errors import ConfigError, InvalidInputError
 from mxdb.models import Entry
-from mxdb.shapes import MAX_DIMS, PRESETS, MoEShape, canonical_dtype
+from mxdb.shapes import DTYPES, MAX_DIMS, PRESETS, MoEShape, canonical_dtype
 
 _NAME = re.compile(
     r"^E=(?P<E>\d+),N=(?P<N>\d+),device_name=(?P<device>[^,]+?)"
     r"(?:,dtype=(?P<dtype>[^,]+?))?(?:,block_shape=(?P<block>\[[^\]]*\]))?\.json$",
     re.ASCII,
 )
-
-#: Quantized table dtypes mxdb does not handle (its kernels are fp16/bf16).
-_QUANTIZED = {"fp8_w8a8", "int8_w8a16", "int8_w8a8", "int4_w4a16", "fp8_w8a16", "mxfp4"}
 
 
 @dataclass(frozen=True)
@@ -75,13 +72,42 @@ def parse_table_name(name: str) -> TableName:
     )
 
 
+#: The token counts vLLM's tuner (benchmarks/kernels/benchmark_moe.py) writes by default.
+TUNER_BATCH_SIZES: tuple[int, ...] = (
+    1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096,
+)  # fmt: skip
+
+_WHITESPACE_OR_SLASH = re.compile(r"[\s/]+")
+
+
 def device_key(device_name: str | None) -> str:
-    """vLLM's spelling of a device name: spaces become underscores."""
-    return (device_name or "unknown").replace(" ", "_")
+    """The device name in vLLM's table file names, by vLLM 0.33's own rule.
+
+    ``get_device_name_as_file_name`` turns every run of whitespace and ``/`` into one ``_``;
+    ``get_config_file_name`` then maps any name with an ``H200`` part (``NVIDIA H200 NVL``,
+    ``NVIDIA H200 141GB HBM3e``) to ``NVIDIA_H200``.
+    """
+    name = _WHITESPACE_OR_SLASH.sub("_", device_name or "unknown")
+    if "H200" in name.split("_"):
+        return "NVIDIA_H200"
+    return name
 
 
 def read_table(path: str | Path) -> dict[int, GemmConfig]:
-    """Read one vLLM table: {M: GemmConfig}. Non-config keys (e.g. triton_version) are ignored."""
+    """Read one vLLM table: {M: GemmConfig}; a row that cannot be read is an error."""
+    table, skipped = read_table_rows(path)
+    if skipped:
+        raise InvalidInputError(skipped[0])
+    return table
+
+
+def read_table_rows(path: str | Path) -> tuple[dict[int, GemmConfig], list[str]]:
+    """Read one vLLM table: ({M: GemmConfig}, [why each unreadable row was skipped]).
+
+    ``triton_version`` is dropped, as vLLM drops it.  A row with keys mxdb does not know
+    (beyond the six tile keys and ``EXTRA_LAUNCH_KEYS``, which are kept) is skipped with a
+    message naming the file and the row's key; the table's other rows are kept.
+    """
     from mxdb.fileio import MAX_SMALL_BYTES, load_json
 
     p = Path(path)
@@ -89,20 +115,26 @@ def read_table(path: str | Path) -> dict[int, GemmConfig]:
     if not isinstance(data, dict):
         raise InvalidInputError(f"vLLM table {p} must be a JSON object mapping M to a config")
     table: dict[int, GemmConfig] = {}
+    skipped: list[str] = []
     for key, value in data.items():
-        if not (key.isascii() and key.isdigit()):
-            continue  # e.g. "triton_version", which vLLM itself ignores
-        if not 1 <= int(key) <= MAX_DIMS["tokens"]:
-            raise InvalidInputError(
-                f"vLLM table {p}: key {key!r} is not a token count in [1, {MAX_DIMS['tokens']:,}]"
+        if key == "triton_version":
+            continue  # vLLM pops it before reading the rows
+        if not (key.isascii() and key.isdigit()) or not 1 <= int(key) <= MAX_DIMS["tokens"]:
+            skipped.append(
+                f"vLLM table {p.name}: key {key!r} is not a token count in "
+                f"[1, {MAX_DIMS['tokens']:,}]; row skipped"
             )
+            continue
         try:
             table[int(key)] = GemmConfig.from_triton(value)
         except ConfigError as exc:
-            raise InvalidInputError(f"vLLM table {p}, entry M={key}: {exc}") from None
+            skipped.append(f"vLLM table {p.name}, key {key!r}: {exc}; row skipped")
     if not table:
-        raise InvalidInputError(f"vLLM table {p} has no entries keyed by a token count")
-    return table
+        why = f" ({skipped[0]})" if skipped else ""
+        raise InvalidInputError(
+            f"vLLM table {p} has no readable entries keyed by a token count{why}"
+        )
+    return table, skipped
 
 
 @dataclass
@@ -129,14 +161,46 @@ def table_entries(
     hidden: int | None = None,
     topk: int | None = None,
     dtypes: Sequence[str] = ("bf16", "fp16"),
+    skipped: list[str] | None = None,
+    shape: tuple[int, int, int, int] | None = None,
 ) -> list[Entry]:
-    """The entries one vLLM table file stands for: imported, unverified, one per (M, dtype)."""
+    """The entries one vLLM table file stands for: imported, unverified, one per (M, dtype).
+
+    ``shape`` (E, H, N, k) names the model the table is for (from ``--model``); otherwise
+    H and k come from ``hidden``/``topk`` or a known preset with the same (E, N).  Rows that
+    cannot be read are appended to ``skipped`` (naming file and key) and left out.
+    """
+    file_name = Path(path).name
     name = parse_table_name(str(path))
-    if name.dtype in _QUANTIZED or name.block_shape:
+    if name.block_shape or (name.dtype is not None and name.dtype.lower() not in DTYPES):
         raise InvalidInputError(
-            f"{Path(path).name}: quantized tables ({name.dtype or 'block_shape'}) are not "
+            f"{file_name}: quantized tables ({name.dtype or 'block_shape'}) are not "
             "supported; mxdb imports fp16/bf16 tables only"
         )
+    rows, bad = read_table_rows(path)
+    if skipped is not None:
+        skipped.extend(bad)
+    return entries_for_rows(
+        file_name, rows, hidden=hidden, topk=topk, dtypes=dtypes, shape=shape, evidence=file_name
+    )
+
+
+def entries_for_rows(
+    table_name: str,
+    rows: dict[int, GemmConfig],
+    *,
+    hidden: int | None = None,
+    topk: int | None = None,
+    dtypes: Sequence[str] = ("bf16", "fp16"),
+    shape: tuple[int, int, int, int] | None = None,
+    source: str = "vllm",
+    evidence: str | None = None,
+) -> list[Entry]:
+    """Imported entries for the rows of one table named like a vLLM table file."""
+    name = parse_table_name(table_name)
+    if shape is not None and (shape[0], shape[2]) == (name.experts, name.intermediate):
+        hidden = hidden if hidden is not None else shape[1]
+        topk = topk if topk is not None else shape[3]
     if hidden is None or topk is None:
         preset = _preset_for(name.experts, name.intermediate)
         if preset is not None:
@@ -146,12 +210,12 @@ def table_entries(
         [canonical_dtype(name.dtype)] if name.dtype else [canonical_dtype(d) for d in dtypes]
     )
     out: list[Entry] = []
-    for tokens, gemm in sorted(read_table(path).items()):
+    for tokens, gemm in sorted(rows.items()):
         config = KernelConfig.uniform(gemm)
         for dtype in table_dtypes:
             if hidden is not None and topk is not None:
-                shape = MoEShape(name.experts, hidden, name.intermediate, topk, tokens, dtype)
-                family, dims = shape.family, shape.dims()
+                moe = MoEShape(name.experts, hidden, name.intermediate, topk, tokens, dtype)
+                family, dims = moe.family, moe.dims()
             else:
                 family = f"E{name.experts}-I{name.intermediate}"
                 dims = {
@@ -171,18 +235,34 @@ def table_entries(
                     config_hash=config.hash,
                     device_name=name.device_name,
                     status="imported",
-                    source="vllm",
-                    evidence=Path(path).name,
+                    source=source,
+                    evidence=evidence or table_name,
                 )
             )
     return out
 
 
+#: Shardings tried when a table's (E, N) is matched against the presets.
+_SHARDS = (1, 2, 4, 8, 16)
+
+
 def _preset_for(experts: int, intermediate: int) -> tuple[int, int, int, int] | None:
-    for preset in PRESETS.values():
-        if preset[0] == experts and preset[2] == intermediate:
-            return preset
-    return None
+    """(E, H, N, k) of the one known model whose shard has this (E, N), or None.
+
+    A shard under tensor parallelism tp has N = I / tp; under expert parallelism ep,
+    E / ep experts of the full I.  When presets of different (H, k) match, none is taken.
+    """
+    whole = {(h, k) for e, h, i, k in PRESETS.values() if (e, i) == (experts, intermediate)}
+    found = whole or {
+        (h, k)
+        for e, h, i, k in PRESETS.values()
+        if any(e == experts and i == intermediate * tp for tp in _SHARDS[1:])
+        or any(e == experts * ep and i == intermediate for ep in _SHARDS[1:])
+    }
+    if len(found) != 1:
+        return None
+    h, k = found.pop()
+    return experts, h, intermediate, min(k, experts)
 
 
 def expand_paths(paths: Iterable[str | Path]) -> list[Path]:
@@ -202,7 +282,22 @@ def expand_paths(paths: Iterable[str | Path]) -> list[Path]:
     return out
 
 
-def render_table(configs: dict[int, GemmConfig]) -> str:
-    """A vLLM table's JSON text, keys in increasing M, four-space indent like vLLM's files."""
-    body = {str(m): configs[m].to_triton() for m in sorted(configs)}
+def render_table(configs: dict[int, GemmConfig], triton_version: str | None = None) -> str:
+    """A vLLM table's JSON text as vLLM's tuner writes it.
+
+    ``triton_version`` first (when known), then the rows in increasing M, four-space indent.
+    """
+    body: dict[str, Any] = {}
+    if triton_version:
+        body["triton_version"] = triton_version
+    body.update({str(m): configs[m].to_triton() for m in sorted(configs)})
     return json.dumps(body, indent=4) + "\n"
+
+
+def nearest(table: Iterable[int], tokens: int) -> int:
+    """The M whose row vLLM (and FlagGems) run at ``tokens``: the nearest, the smaller on a tie.
+
+    Both take ``min(configs.keys(), key=lambda x: abs(x - M))`` over a table whose keys are
+    in increasing order (as vLLM's tuner and mxdb write them).
+    """
+    return min(sorted(table), key=lambda m: abs(m - tokens))

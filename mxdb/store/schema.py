@@ -122,15 +122,19 @@ Index(
 )
 # The natural key.  fingerprint_hash may be NULL, and NULLs never collide in a unique
 # index, so the index is on COALESCE(fingerprint_hash, '') (same on SQLite and PostgreSQL).
+# The device is part of it (revision 0004): vLLM's configs folder holds one table per
+# device for the same (E, N), often with the same config at the same M.
 NATURAL_KEY_FP = func.coalesce(entries.c.fingerprint_hash, literal_column("''"))
+NATURAL_KEY_DEVICE = func.coalesce(entries.c.device_name, literal_column("''"))
 Index(
-    "uq_entries_natural_key",
+    "uq_entries_natural_key_device",
     entries.c.op,
     entries.c.dtype,
     entries.c.family,
     entries.c.tokens,
     entries.c.routing_class,
     NATURAL_KEY_FP,
+    NATURAL_KEY_DEVICE,
     entries.c.source,
     entries.c.config_hash,
     unique=True,

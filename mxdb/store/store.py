@@ -56,7 +56,7 @@ from mxdb.store.engine import (
 )
 from mxdb.store.migrate import ensure_schema
 from mxdb.store.records import Claim, DispatchRow, PointState
-from mxdb.store.schema import GENERATION_KEY, NATURAL_KEY_FP
+from mxdb.store.schema import GENERATION_KEY, NATURAL_KEY_DEVICE, NATURAL_KEY_FP
 
 entries_t = schema.entries
 fingerprints_t = schema.fingerprints
@@ -103,6 +103,7 @@ _NATURAL_KEY = (
     entries_t.c.tokens,
     entries_t.c.routing_class,
     NATURAL_KEY_FP,
+    NATURAL_KEY_DEVICE,
     entries_t.c.source,
     entries_t.c.config_hash,
 )
@@ -149,6 +150,7 @@ def _natural_key(values: dict[str, Any]) -> tuple[Any, ...]:
         values["tokens"],
         values["routing_class"],
         values["fingerprint_hash"] or "",
+        values["device_name"] or "",
         values["source"],
         values["config_hash"],
     )
@@ -468,10 +470,10 @@ class Store:
     ) -> list[int]:
         """Add ``entries`` (and the ``fingerprints`` they name) in one transaction.
 
-        Returns the entries' ids, in order.  An entry whose natural key (op, dtype,
-        family, tokens, routing_class, fingerprint_hash, source, config_hash) is already
-        stored is skipped and the stored row's id returned.  Bumps the generation.  A
-        writer killed mid-way leaves neither the fingerprints nor the entries behind.
+        Returns the entries' ids, in order.  An entry whose natural key (op, dtype, family,
+        tokens, routing_class, fingerprint_hash, device_name, source, config_hash) is already
+        stored is skipped and the stored row's id returned.  Bumps the generation.  A writer
+        killed mid-way leaves neither the fingerprints nor the entries behind.
         """
         entries = list(entries)
         fps = list(fingerprints)

@@ -30,6 +30,7 @@ from typing import Any
 from mxdb.configs import KernelConfig
 from mxdb.errors import MxdbError, UsageError
 from mxdb import pointverdict, verdict
+from mxdb.fingerprint import environment_data
 from mxdb.models import Entry, Fingerprint, Measurement
 from mxdb.shapes import MoEShape
 from mxdb.store import Claim, Store
@@ -37,7 +38,7 @@ from mxdb.tune.backend import Backend
 from mxdb.tune.search import PointInput, RoutingInput, SearchResult, search
 from mxdb.tune.space import SearchSpace, peer_seeds
 from mxdb.tune.traces import Trace, heldout_traces, neighbour_traces, point_traces
-from mxdb.tune.verify import point_entry
+from mxdb.tune.verify import point_entry, single_record
 from mxdb.tune.workload import Point, SearchOptions, Workload
 
 BackendFactory = Callable[[], Backend]
@@ -379,7 +380,17 @@ def measure_point(
         device_name=backend.fingerprint().device_name,
     )
     rejections = contradicted(result, incumbents, replay.trace_hash)
-    return result.measurements, [entry] if entry is not None else [], rejections
+    # a split winner cannot go into vLLM's or FlagGems' tables: keep the best single config
+    # measured beside it for their exports (status imported: never dispatched)
+    single = single_record(
+        result,
+        decision,
+        routing_class=replay.routing_class,
+        fingerprint_hash=fingerprint_hash,
+        device_name=backend.fingerprint().device_name,
+    )
+    entries = [e for e in (entry, single) if e is not None]
+    return result.measurements, entries, rejections
 
 
 def _dedup_configs(configs: Sequence[KernelConfig]) -> list[KernelConfig]:
@@ -638,7 +649,9 @@ def write_bundle(
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     name = f"{workload.name}-{suffix}" if suffix else workload.name
     root = out_dir / f"{name}-{stamp}-{uuid.uuid4().hex[:4]}"
-    w = BundleWriter(root, milestone=workload.name, fingerprint=fp)
+    w = BundleWriter(
+        root, milestone=workload.name, fingerprint=fp, fingerprint_data=environment_data()
+    )
     for p, replay, synthetic in points:
         ms = _job_measurements(store, job, p.shape, p.key)
         if not ms:

@@ -170,9 +170,17 @@ def peer_seeds(store: Store, shape: MoEShape) -> list[KernelConfig]:
         if abs(e.tokens - shape.tokens) != best:
             continue
         try:
-            out.append(KernelConfig.parse(e.config))
+            cfg = KernelConfig.parse(e.config)
         except ConfigError:
             continue  # an imported row this mxdb cannot read is no seed
+        if cfg.gemm1.extra is not None or cfg.gemm2.extra is not None:
+            # another backend's launch keys (kpack, waves_per_eu, ...): seed the tile config
+            cfg = KernelConfig(
+                gemm1=cfg.gemm1.without_extra(),
+                gemm2=cfg.gemm2.without_extra(),
+                align_block=cfg.align_block,
+            )
+        out.append(cfg)
     return out
 
 

@@ -13,7 +13,8 @@ The audit re-makes the same decision from a bundle's raw samples.
 from __future__ import annotations
 
 from mxdb.configs import KernelConfig
-from mxdb.models import Entry, EntryStatus
+from mxdb import pointverdict, verdict
+from mxdb.models import Entry, EntryStatus, Measurement
 from mxdb.pointverdict import PointDecision
 from mxdb.tune.search import SearchResult
 
@@ -56,8 +57,72 @@ def point_entry(
     )
 
 
-def entry_for(
+#: The source of a tuner's best single-config record (see ``single_record``).
+SINGLE_SOURCE = "tune-single"
+
+
+def single_record(
     result: SearchResult,
+    decision: PointDecision,
+    *,
+    routing_class: str,
+    fingerprint_hash: str | None,
+    device_name: str | None,
+) -> Entry | None:
+    """The best *single* config measured at a point whose verified winner is split.
+
+    vLLM's and FlagGems' tables hold one config for both GEMMs, aligned to its BLOCK_SIZE_M;
+    a split winner (two GEMM configs, or another alignment block) cannot be written there, and
+    neither half of it was measured alone.  The fastest uniform config of the point's replay
+    comparison that is itself faster than FlagGems' choice (``mxdb.verdict``) is kept as an
+    entry of status ``imported`` and source ``tune-single``: never dispatched, read by the
+    table exports (``mxdb.interop.tables``).  None otherwise: the export then writes the
+    baseline's config at that key.
+    """
+    if decision.status != "verified" or result.winner is None:
+        return None
+    w = result.winner
+    if w.gemm1 == w.gemm2 and w.align_block == w.gemm1.block_m:
+        return None  # the verified entry is itself a single config
+    arms = {
+        m.run_id: (m, pointverdict.arm_from_measurement(m))
+        for m in result.measurements
+        if m.comparison == "replay"
+    }
+    _, copies = pointverdict.copies_of([a for _, a in arms.values()])
+    if len(copies) < 2:
+        return None
+    samples = [list(a.samples) for a in copies]
+    best: tuple[verdict.Verdict, Measurement] | None = None
+    for m, a in arms.values():
+        if a.role not in ("candidate", "peer") or not pointverdict.usable(a):
+            continue
+        cfg = KernelConfig.parse(m.config)
+        if cfg.gemm1 != cfg.gemm2 or cfg.align_block != cfg.gemm1.block_m:
+            continue
+        v = verdict.compare(samples, a.samples, margin=a.margin)
+        if v.faster and (best is None or (v.speedup or 0.0) > (best[0].speedup or 0.0)):
+            best = (v, m)
+    if best is None:
+        return None
+    v, m = best
+    single = PointDecision(
+        "verified", m.config_hash, m.run_id, v.speedup, v.low, v.high, v.noise_band,
+        m.median_us, decision.baseline_us, None,
+    )  # fmt: skip
+    entry = entry_for(
+        result,
+        KernelConfig.parse(m.config),
+        "imported",
+        single,
+        routing_class=routing_class,
+        fingerprint_hash=fingerprint_hash,
+        device_name=device_name,
+    )
+    return entry.model_copy(update={"source": SINGLE_SOURCE})
+
+
+def entry_for(    result: SearchResult,
     config: KernelConfig,
     status: EntryStatus,
     decision: PointDecision,
