@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from mxdb import pointverdict
 from mxdb.configs import KernelConfig
 from mxdb.evidence import stats
 from mxdb.evidence.files import trace_hash
@@ -42,7 +43,6 @@ from mxdb.tune import traces
 from mxdb.tune.backend import Backend, Correctness, Timing
 from mxdb.tune.search import PointInput, RoutingInput, search
 from mxdb.tune.space import SearchSpace, joint
-from mxdb.tune.verify import judge
 from mxdb.tune.workload import SearchOptions
 
 #: (model preset, M, routing kind, routing params)
@@ -391,7 +391,9 @@ def _mxdb(backend: Any, task: dict[str, Any]) -> dict[str, Any]:
         clock=backend.clock,
     )
     winner = res.winner or res.baseline
-    verdict = judge(res)
+    verdict = pointverdict.decide(
+        [pointverdict.arm_from_measurement(m) for m in res.measurements if m.comparison]
+    )
     return {
         # mxdb's own final comparison (its replay stage): what it would dispatch
         "comparison": {
@@ -399,7 +401,7 @@ def _mxdb(backend: Any, task: dict[str, Any]) -> dict[str, Any]:
             "winner_samples_us": list(res.winner_samples),
             "baseline_samples_us": list(res.baseline_samples),
             "control_samples_us": [list(res.control_samples[0]), list(res.control_samples[1])],
-            "answer": "winner" if verdict.verified else "baseline",
+            "answer": "winner" if verdict.status == "verified" else "baseline",
             "reason": verdict.reason,
         },
         "budget_s": task.get("budget_s"),

@@ -104,7 +104,9 @@ def arm_from_measurement(m: Any) -> Arm:
         config_hash=m.config_hash,
         status=m.status,
         samples=tuple(m.samples_us),
-        correct=None if m.max_abs_err is None else verdict.passes(m.dtype, m.max_abs_err, m.rel_err),
+        correct=None
+        if m.max_abs_err is None
+        else verdict.passes(m.dtype, m.max_abs_err, m.rel_err),
         comparison=m.comparison or "replay",
         tokens=m.tokens,
         routing_class=m.routing_class,
@@ -162,7 +164,11 @@ def choose(arms: Sequence[Arm]) -> tuple[Arm | None, Arm | None, dict[str, verdi
     verdicts: dict[str, verdict.Verdict] = {}
     faster: list[Arm] = []
     for a in sorted(arms, key=lambda x: x.run_id):
-        if a.role not in ("candidate", "peer") or a.config_hash == base.config_hash or not usable(a):
+        if (
+            a.role not in ("candidate", "peer")
+            or a.config_hash == base.config_hash
+            or not usable(a)
+        ):
             continue
         v = verdict.compare(samples, a.samples, margin=a.margin)
         verdicts[a.run_id] = v

@@ -33,7 +33,7 @@ REGISTRY: dict[str, tuple[str, str, str]] = {
     "signature": ("mxdb.evidence.models:SignatureDoc", "1.0", "serialization"),
     "summary": ("mxdb.evidence.models:Summary", "1.1", "serialization"),
     "report": ("mxdb.evidence.models:Report", "1.0", "serialization"),
-    "store-export": ("mxdb.interop.export:StoreExport", "1.1", "serialization"),
+    "store-export": ("mxdb.interop.export:StoreExport", "1.2", "serialization"),
     "compile-survey": ("mxdb.evidence.survey:CompileSurvey", "1.1", "serialization"),
     "decode": ("mxdb.evidence.decode:DecodeDoc", "1.0", "serialization"),
     "peers": ("mxdb.evidence.peers:PeersDoc", "1.0", "serialization"),

@@ -121,7 +121,7 @@ def _binom_cdf_half(k: int, n: int) -> float:
     """``P(Binomial(n, 1/2) <= k)``, exactly (integer arithmetic, then one division)."""
     if k < 0:
         return 0.0
-    return sum(math.comb(n, i) for i in range(k + 1)) / 2**n
+    return float(sum(math.comb(n, i) for i in range(k + 1)) / 2**n)
 
 
 def sign_rank(n: int, confidence: float = CONFIDENCE) -> int | None:

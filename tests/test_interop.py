@@ -62,7 +62,11 @@ def test_import_peer_tables_as_unverified(store: Store) -> None:
     assert report.added == report.read > 0
     entries = store.entries(source="vllm")
     assert {e.status for e in entries} == {"imported"}
-    mixtral = [e for e in entries if e.family == "E8-H4096-I14336-k2" and e.dtype == "bf16"]
+    mixtral = [
+        e
+        for e in entries
+        if e.family == "E8-H4096-I14336-k2" and e.dtype == "bf16" and e.device_name == "NVIDIA_H200"
+    ]
     table = json.loads(MIXTRAL.read_text())
     m_keys = sorted(int(k) for k in table if k.isdigit())
     assert sorted(e.tokens for e in mixtral) == m_keys

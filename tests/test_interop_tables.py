@@ -516,6 +516,7 @@ def test_presets_match_the_sample_configs() -> None:
 
 
 def test_dispatch_and_import_take_a_model_config(db: str, tmp_path: Path) -> None:
+    Store.open(db).close()  # dispatch only reads: it never creates the store
     res = _run(["dispatch", "--model", str(MODELS / "mixtral-8x7b.json"), "--tp", "2",
                 "--tokens", "4", "--db", db, "--json"])  # fmt: skip
     assert res.exit_code == 0, res.output
@@ -577,69 +578,62 @@ def test_check_config_c500_reproduces_the_recorded_failure() -> None:
 
 def test_single_record_beside_a_split_winner() -> None:
     from mxdb.models import Measurement
+    from mxdb.pointverdict import PointDecision
     from mxdb.tune.search import SearchResult
-    from mxdb.tune.verify import Verdict, single_record
+    from mxdb.tune.verify import single_record
 
     shape = MoEShape(8, 4096, 14336, 2, 64, "bf16")
     base = KernelConfig.uniform(flaggems_default_config(shape))
     split = KernelConfig(gemm1=_g(32, 64, 128), gemm2=_g(32, 128, 64), align_block=32)
     single = KernelConfig.uniform(_g(32, 128, 128, 64))
     worse = KernelConfig.uniform(_g(16, 64, 64))
+    rounds = [100.0, 100.4, 99.8, 100.2, 100.1, 99.9, 100.3, 100.0]
 
-    def meas(cfg: KernelConfig, role: str, samples: list[float], fidelity: str) -> Measurement:
+    def meas(rid: str, cfg: KernelConfig, role: str, scale: float) -> Measurement:
+        cand = role == "candidate"
         return Measurement(
-            run_id=f"r-{role}-{cfg.hash}-{samples[0]}",
-            dtype="bf16",
-            family=shape.family,
-            dims=shape.dims(),
-            tokens=shape.tokens,
-            routing_class="uniform",
-            config=cfg.model_dump(),
-            config_hash=cfg.hash,
-            role=role,
-            fidelity=fidelity,
-            status="ok",
-            samples_us=samples,
-            max_abs_err=0.001 if role == "candidate" else None,
-            rel_err=0.001 if role == "candidate" else None,
-        )
+            run_id=rid, dtype="bf16", family=shape.family, dims=shape.dims(),
+            tokens=shape.tokens, routing_class="uniform", config=cfg.model_dump(),
+            config_hash=cfg.hash, role=role,  # type: ignore[arg-type]
+            fidelity="layer" if cand else "replay", status="ok",
+            samples_us=[x * scale for x in rounds], max_abs_err=0.001 if cand else None,
+            rel_err=0.001 if cand else None, comparison="replay", margin=0.005,
+        )  # fmt: skip
 
     ms = [
-        meas(base, "baseline", [100.0] * 4, "replay"),
-        meas(split, "candidate", [80.0] * 4, "layer"),
-        meas(single, "candidate", [90.0] * 4, "layer"),
-        meas(worse, "candidate", [95.0] * 4, "layer"),
+        meas("r-base", base, "baseline", 1.0),
+        meas("r-ctl-a", base, "control", 1.001),
+        meas("r-ctl-b", base, "control", 0.999),
+        meas("r-fin01", split, "candidate", 0.80),
+        meas("r-fin02", single, "candidate", 0.90),
+        meas("r-fin03", worse, "candidate", 0.999),
     ]
     result = SearchResult(
-        shape=shape,
-        measurements=ms,
-        baseline=base,
-        winner=split,
-        winner_samples=[80.0] * 4,
-        baseline_samples=[100.0] * 4,
-        control_samples=([100.0] * 4, [100.5] * 4),
-        correctness=None,
-        budget_exhausted=False,
-        spent_s=1.0,
-    )
+        shape=shape, measurements=ms, baseline=base, winner=split,
+        winner_samples=ms[3].samples_us, baseline_samples=ms[0].samples_us,
+        control_samples=(ms[1].samples_us, ms[2].samples_us), correctness=None,
+        budget_exhausted=False, spent_s=1.0,
+    )  # fmt: skip
     kw = {"routing_class": "uniform", "fingerprint_hash": "f" * 16, "device_name": "NVIDIA H200"}
-    verdict = Verdict(True, "faster", 1.25, 0.005, 80.0, 100.0)
-    entry = single_record(result, verdict, **kw)  # type: ignore[arg-type]
+    decision = PointDecision(
+        "verified", split.hash, "r-fin01", 1.25, 1.24, 1.26, 0.001, 80.0, 100.0, 1.0
+    )
+    entry = single_record(result, decision, **kw)  # type: ignore[arg-type]
     assert entry is not None
     assert entry.status == "imported" and entry.source == SINGLE_SOURCE
     assert KernelConfig.parse(entry.config) == single
-    assert entry.speedup == pytest.approx(100.0 / 90.0)
-    # a uniform winner needs no such record; nor does a single config within the noise
+    assert entry.speedup == pytest.approx(1 / 0.9)
+    # a uniform winner needs no such record; nor does a point whose decision is not verified
     uniform_result = SearchResult(**{**result.__dict__, "winner": single})
-    assert single_record(uniform_result, verdict, **kw) is None  # type: ignore[arg-type]
-    loud = Verdict(True, "faster", 1.25, 0.2, 80.0, 100.0)
-    assert single_record(result, loud, **kw) is None  # type: ignore[arg-type]
+    assert single_record(uniform_result, decision, **kw) is None  # type: ignore[arg-type]
+    lost = PointDecision("baseline", base.hash, "r-base", 1.0, None, None, 0.001, 100.0, 100.0, 0.0)
+    assert single_record(result, lost, **kw) is None  # type: ignore[arg-type]
 
 
 def test_peer_tables_in_the_repo_are_the_same_bytes_as_vllms() -> None:
-    peers = REPO.parent / "shared" / "peers" / "vllm_h200"
+    peers = REPO / "tests" / "data" / "vllm_configs"
     if not peers.is_dir():
-        pytest.skip("../shared/peers/vllm_h200 not present")
+        pytest.skip("tests/data/vllm_configs not present")
     for path in peers.glob("E=*.json"):
         assert (VLLM_CONFIGS / path.name).read_bytes() == path.read_bytes()
 

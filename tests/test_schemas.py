@@ -41,7 +41,7 @@ def test_check_entry_point_detects_drift(tmp_path: Path) -> None:
     assert written
     cmd = [sys.executable, "-m", "mxdb.schemas", "--check", "--root", str(tmp_path)]
     assert subprocess.run(cmd, capture_output=True).returncode == 0
-    target = schemas.schema_path("run", "1.0", tmp_path)
+    target = schemas.schema_path("run", schemas.REGISTRY["run"][1], tmp_path)
     doc = json.loads(target.read_text())
     doc["properties"].pop("seed")
     target.write_text(json.dumps(doc))
@@ -66,7 +66,7 @@ def docs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
 
 def test_written_documents_validate(docs: dict[str, dict[str, Any]]) -> None:
     for name, doc in docs.items():
-        schema = schemas.load_schema(name)
+        schema = schemas.load_schema(name, str(doc.get("schema_version")))
         assert schema is not None
         jsonschema.Draft202012Validator(schema).validate(doc)
         fast = compile_schema(schema)

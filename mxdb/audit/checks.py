@@ -23,6 +23,13 @@ from typing import Any
 
 from mxdb.audit.fastschema import compile_schema
 from mxdb.audit.findings import AuditOptions, AuditResult, BundleResult, Finding
+from mxdb.audit.store_export import (
+    check_shipped_export,
+    check_store_export,
+    decisions,
+    resolve_deferred,
+    shipped_exports,
+)
 from mxdb.configs import config_hash
 from mxdb.errors import ConfigError, InvalidInputError, UsageError
 from mxdb.evidence import stats
@@ -34,13 +41,6 @@ from mxdb.evidence.files import (
     scan_tree,
     trace_hash,
     unsafe_reason,
-)
-from mxdb.audit.store_export import (
-    check_shipped_export,
-    check_store_export,
-    decisions,
-    resolve_deferred,
-    shipped_exports,
 )
 from mxdb.evidence.models import KNOWN_VERSIONS
 from mxdb.evidence.summary import group_key, run_passes, summarize

@@ -18,20 +18,21 @@ import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from mxdb import pointverdict
 from mxdb.audit.findings import BundleResult, Finding, FindingSink
+from mxdb.configs import config_hash
+from mxdb.evidence.summary import family_of, group_key, run_passes
 
 
-class ExportSink(FindingSink):
+class ExportSink(FindingSink, Protocol):
     """A bundle audit that also keeps what its store export rests on (cross-bundle checks)."""
 
     backed: list[dict[str, Any]]
     deferred: list[tuple[str, str, dict[str, Any]]]
     backing: list[tuple[str, str, str, float | None, float | None, float | None]]
-from mxdb.evidence.summary import family_of, group_key, run_passes
-from mxdb.configs import config_hash
+
 
 F = "store_export.json"
 #: Entry figures compared with their recomputation.
@@ -53,6 +54,11 @@ def _close(a: Any, b: Any, rel: float, abs_: float) -> bool:
 
 def _key(e: Mapping[str, Any]) -> tuple[Any, ...]:
     return (e.get("op"), e.get("dtype"), e.get("family"), e.get("tokens"), e.get("routing_class"))
+
+
+def _shipped_key(e: Mapping[str, Any]) -> tuple[Any, ...]:
+    k = _key(e)
+    return (k[0], k[1], k[2], k[3], k[4], e.get("config_hash"), e.get("status"))
 
 
 def check_store_export(
@@ -146,15 +152,18 @@ def _check_decisions(
             d
             for d in by_key.get(_key(e), [])
             if d.config_hash == e.get("config_hash")
-            and (d.status == e.get("status") or (d.status, e.get("status")) == ("verified", "rejected"))
+            and (
+                d.status == e.get("status")
+                or (d.status, e.get("status")) == ("verified", "rejected")
+            )
         ]
-        d = next((x for x in cands if x.evidence == e.get("evidence")), None)
-        if d is None:
+        found = next((x for x in cands if x.evidence == e.get("evidence")), None)
+        if found is None:
             # one entry per key and config: it carries the evidence of the first point that
             # decided it, which may be another routing source's bundle of the same tune
             sink.deferred.append((F, f"entries[{i}]", dict(e)))
             continue
-        _compare_figures(sink, i, e, d, tol)
+        _compare_figures(sink, i, e, found, tol)
         sink.backed.append(dict(e))
     allowed = {"verified": ("verified", "rejected"), "baseline": ("baseline",)}
     for base, d in made:
@@ -404,13 +413,13 @@ def check_shipped_export(
         return [
             Finding(
                 "schema.wrong_document", label, "schema", "mxdb.store-export",
-                doc.get("schema") if isinstance(doc, dict) else type(doc).__name__,
+                str(doc.get("schema")) if isinstance(doc, dict) else type(doc).__name__,
                 "a shipped store export must be an mxdb.store-export document",
             )
         ]  # fmt: skip
     backed: dict[tuple[Any, ...], list[dict[str, Any]]] = defaultdict(list)
-    for e in [*(e for r in results for e in r.backed), *resolved]:
-        backed[(*_key(e), e.get("config_hash"), e.get("status"))].append(e)
+    for e in [e for r in results for e in r.backed] + list(resolved):
+        backed[_shipped_key(e)].append(e)
     decode = {d for r in results for d in r.decode}
     out = []
     for i, e in enumerate(doc.get("entries") or []):
@@ -437,7 +446,7 @@ def check_shipped_export(
                     )
                 )  # fmt: skip
             continue
-        cands = backed.get((*_key(e), e.get("config_hash"), e.get("status")), [])
+        cands = backed.get(_shipped_key(e), [])
         if not cands:
             out.append(
                 Finding(
@@ -454,7 +463,7 @@ def check_shipped_export(
                 out.append(
                     Finding(
                         "shipped_export.field_mismatch", label, f"{where}.{name}",
-                        src.get(name), e.get(name),
+                        str(src.get(name)), str(e.get(name)),
                         "the shipped entry differs from the bundle entry it came from",
                     )
                 )  # fmt: skip

@@ -34,7 +34,7 @@ KNOWN_VERSIONS: dict[str, tuple[str, ...]] = {
     "mxdb.summary": ("1.0", "1.1"),
     "mxdb.report": ("1.0",),
     "mxdb.signature": ("1.0",),
-    "mxdb.store-export": ("1.0", "1.1"),
+    "mxdb.store-export": ("1.0", "1.1", "1.2"),
     "mxdb.compile-survey": ("1.0", "1.1"),
     "mxdb.decode": ("1.0",),
     "mxdb.peers": ("1.0",),

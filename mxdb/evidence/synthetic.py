@@ -209,7 +209,7 @@ def export_of(summary: dict[str, Any], fingerprint: Fingerprint) -> dict[str, An
                 median_us=g["best_median_us"],
                 baseline_us=g["baseline_median_us"],
                 evidence=summary["milestone"],
-            ).model_dump(mode="json")
+            ).model_dump(mode="json", exclude={"confidence", "validation"})
         )
     return {
         "schema": "mxdb.store-export",

@@ -28,9 +28,9 @@ if TYPE_CHECKING:
     from mxdb.store import Store
 
 EXPORT_SCHEMA = "mxdb.store-export"
-EXPORT_VERSION = "1.1"
+EXPORT_VERSION = "1.2"
 #: Versions this mxdb reads: 1.1 added the ``baseline`` entry status.
-READABLE_VERSIONS = ("1.0", "1.1")
+READABLE_VERSIONS = ("1.0", "1.1", "1.2")
 FORMATS = ("mxdb", "vllm", "flaggems")
 
 
@@ -40,7 +40,7 @@ class StoreExport(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     schema_: Literal["mxdb.store-export"] = Field(default="mxdb.store-export", alias="schema")
-    schema_version: Literal["1.0", "1.1"] = "1.1"
+    schema_version: Literal["1.0", "1.1", "1.2"] = "1.2"
     exported_at: datetime = Field(default_factory=utcnow)
     mxdb_version: str = __version__
     fingerprints: dict[str, Fingerprint] = Field(default_factory=dict)

@@ -28,6 +28,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from mxdb.configs import GemmConfig
 from mxdb.errors import ConfigError, InvalidInputError, UsageError
 from mxdb.fileio import atomic_write_text

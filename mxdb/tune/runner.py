@@ -27,9 +27,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from mxdb import pointverdict, verdict
 from mxdb.configs import KernelConfig
 from mxdb.errors import MxdbError, UsageError
-from mxdb import pointverdict, verdict
 from mxdb.fingerprint import environment_data
 from mxdb.models import Entry, Fingerprint, Measurement
 from mxdb.shapes import MoEShape

@@ -33,6 +33,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -677,7 +678,11 @@ def _replay_and_check(
     base_check = backend.check(shape, routing.ids, baseline, seed=options.check_seed)
 
     prefix = point.run_prefix
-    common = {"comparison": "replay", "margin": options.verify_margin, "order_seed": oseed}
+    common: dict[str, Any] = {
+        "comparison": "replay",
+        "margin": options.verify_margin,
+        "order_seed": oseed,
+    }
     ids = [f"{prefix}-base", f"{prefix}-ctl-a", f"{prefix}-ctl-b"]
     for j, rid in enumerate(ids):
         role = "baseline" if j == 0 else "control"
@@ -743,9 +748,9 @@ def validate(
     for name, shape, routing in comps:
         base = backend.baseline_config(shape)
         extra = []
-        if name.startswith("heldout-") and result.peer_bar is not None:
-            if result.peer_bar.hash != chosen.hash:
-                extra = [result.peer_bar]
+        bar = result.peer_bar
+        if name.startswith("heldout-") and bar is not None and bar.hash != chosen.hash:
+            extra = [bar]
         lineup = [*([base] * COPIES), chosen, *extra]
         acc, failure, oseed = timed_comparison(
             backend,
@@ -759,7 +764,11 @@ def validate(
             method=method,
         )
         corr = backend.check(shape, routing.ids, chosen, seed=options.check_seed)
-        common = {"comparison": name, "margin": options.verify_margin, "order_seed": oseed}
+        common: dict[str, Any] = {
+            "comparison": name,
+            "margin": options.verify_margin,
+            "order_seed": oseed,
+        }
         tag = f"{point.run_prefix}-{name}"
         for j, rid in enumerate([f"{tag}-base", f"{tag}-ctl-a", f"{tag}-ctl-b"]):
             _record_final(
@@ -824,7 +833,7 @@ def _record_final(
     margin: float | None = None,
     order_seed: int | None = None,
 ) -> None:
-    extra = {
+    extra: dict[str, Any] = {
         "shape": shape,
         "comparison": comparison,
         "margin": margin,

@@ -124,7 +124,12 @@ def heldout_traces(
             if window.shape[0] < m:
                 break
             cls = classify(window, shape.experts)
-            gen = {"kind": "captured", "seed": None, "params": {"path": src.path, "window": w}}
+            gen: dict[str, Any] = {
+                "kind": "captured",
+                "seed": None,
+                "params": {"path": src.path, "window": w},
+            }
+
             out.append(Trace(window, trace_hash(shape.experts, window.tolist()), cls, gen))
         return out
     base = _seed(workload.seed, shape, src.label() + "|heldout")
@@ -209,9 +214,10 @@ def _read_replay(workload: Workload, src: ReplayRouting, shape: MoEShape) -> np.
 
 def _read_replay_rows(workload: Workload, src: ReplayRouting, shape: MoEShape) -> np.ndarray:
     """Every row of a replay trace (no repetition): its windows past the first M are held out."""
-    full = _read_replay(workload, src, shape.with_tokens(1))
-    del full
+    from mxdb.fileio import MAX_TRACE_BYTES, load_json
+
+    _read_replay(workload, src, shape.with_tokens(1))  # validates the file
     path = workload.resolve(src.path)
-    doc = json.loads(path.read_text(encoding="utf-8"))
+    doc = load_json(path, what="replay trace", limit=MAX_TRACE_BYTES, error=WorkloadError)
     rows = doc.get("ids") if isinstance(doc, dict) else doc
     return np.asarray(rows, dtype=np.int64)

@@ -12,8 +12,8 @@ The audit re-makes the same decision from a bundle's raw samples.
 
 from __future__ import annotations
 
-from mxdb.configs import KernelConfig
 from mxdb import pointverdict, verdict
+from mxdb.configs import KernelConfig
 from mxdb.models import Entry, EntryStatus, Measurement
 from mxdb.pointverdict import PointDecision
 from mxdb.tune.search import SearchResult
@@ -122,7 +122,8 @@ def single_record(
     return entry.model_copy(update={"source": SINGLE_SOURCE})
 
 
-def entry_for(    result: SearchResult,
+def entry_for(
+    result: SearchResult,
     config: KernelConfig,
     status: EntryStatus,
     decision: PointDecision,
