@@ -475,9 +475,7 @@ def _reverify_moe(
 
     d = e.dims
     try:
-        shape = MoEShape(
-            d["experts"], d["hidden"], d["intermediate"], d["topk"], e.tokens, e.dtype
-        )
+        shape = MoEShape(d["experts"], d["hidden"], d["intermediate"], d["topk"], e.tokens, e.dtype)
         config = KernelConfig.parse(e.config)
     except (KeyError, MxdbError, ValueError) as exc:
         return _row(e, "skipped", f"the stored entry cannot be re-measured: {exc}")
@@ -503,7 +501,7 @@ def _reverify_moe(
             seed=seed,
             config=cfg.model_dump(),
             config_hash=cfg.hash,
-            role=role,  # type: ignore[arg-type]
+            role=role,
             fidelity="layer",
             status=t.status,
             error=t.error,
@@ -555,7 +553,7 @@ def _reverify_moe(
         config_hash=config.hash,
         fingerprint_hash=current.hash,
         device_name=current.device_name,
-        status=status,  # type: ignore[arg-type]
+        status=status,
         source=REVERIFY_SOURCE,
         speedup=1.0 if status == "baseline" else speedup,
         noise_band=band,
@@ -712,8 +710,7 @@ def make_decode_backend(name: str) -> Any:
         from mxdb.kernels.decode_backend import DecodeGpuBackend
     except ImportError as exc:
         raise UsageError(
-            f"re-measuring decode ops on the GPU needs torch and triton ({exc}); "
-            "install mxdb[gpu]"
+            f"re-measuring decode ops on the GPU needs torch and triton ({exc}); install mxdb[gpu]"
         ) from None
     return DecodeGpuBackend()
 
