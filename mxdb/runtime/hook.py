@@ -135,13 +135,18 @@ class MissingTableFilter(logging.Filter):
 
 
 def _flaggems_loggers(module: Any) -> list[logging.Logger]:
-    """The loggers FlagGems' fused-MoE module logs through: its own and ``flag_gems``.
+    """The loggers FlagGems' fused-MoE code may log through.
 
-    A logger's filters only see records logged on that logger itself, so the filter goes on
-    the module's own logger (``logger``, a child of ``flag_gems``: every module-level
-    ``Logger`` is taken); ``flag_gems`` is covered for a module that logs there directly.
+    A logger's filters only see records logged on that logger itself (not its children's),
+    so the filter goes on every logger of FlagGems that exists when the hook is installed
+    (``flag_gems`` and its descendants) and on every module-level ``Logger`` of the
+    fused-MoE module.
     """
     out = [logging.getLogger(FLAGGEMS_LOGGER)]
+    known = list(logging.Logger.manager.loggerDict.items())
+    for name, value in known:
+        if name.startswith(FLAGGEMS_LOGGER + ".") and isinstance(value, logging.Logger):
+            out.append(value)
     for value in list(vars(module).values()):
         if isinstance(value, logging.Logger) and value not in out:
             out.append(value)
