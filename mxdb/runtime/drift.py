@@ -717,16 +717,20 @@ def make_decode_backend(name: str) -> Any:
 
 def run_reverify(db: str | None, backend: str | Any, **options: Any) -> dict[str, Any]:
     """``mxdb drift reverify``: ``reverify`` on the store at ``db`` with a backend (name or
-    object); the GPU backend brings the decode-op backend with it."""
+    object).  The GPU's decode-op backend is made only when stale decode-op entries wait."""
     from mxdb.store import Store
 
-    if isinstance(backend, str):
-        be = make_backend(backend)
-        options.setdefault("decode_backend", make_decode_backend(backend))
-    else:
-        be = backend
+    be = make_backend(backend) if isinstance(backend, str) else backend
     try:
         with Store.open(db) as store:
+            if isinstance(backend, str) and "decode_backend" not in options:
+                wanted = options.get("entry_ids")
+                decode = [
+                    e
+                    for e in store.entries(status="stale")
+                    if e.op != "fused_moe" and (wanted is None or e.id in set(wanted))
+                ]
+                options["decode_backend"] = make_decode_backend(backend) if decode else None
             return reverify(store, be, **options)
     finally:
         if isinstance(backend, str):  # made here: shut its compile pool down here
