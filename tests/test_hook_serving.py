@@ -148,6 +148,27 @@ def test_lean_layer_that_cannot_be_built_falls_back_once(fm: Any, store: Store) 
     assert list(hook.lean_errors.values()) == ["RuntimeError: no triton here"]
 
 
+def test_lean_layer_whose_first_call_fails_falls_back_once(fm: Any, store: Store) -> None:
+    store.add_entries([_entry(CFG_A)])
+    calls: list[Any] = []
+
+    def factory(w1: Any, w2: Any, topk: int, config: KernelConfig | None) -> Any:
+        def run(x: Any, tw: Any, ids: Any, inplace: bool) -> Any:
+            calls.append(config)
+            raise RuntimeError("workspace build failed")
+
+        return run
+
+    hook = mxdb.install(Dispatcher(store, H200), monitor_every=0, pipeline_factory=factory)
+    for _ in range(3):
+        assert fm.fused_experts_impl(*_cuda_args())["config"] == G128.to_triton()
+        assert fm.fused_experts_impl(*_cuda_args(tokens=64))["config"]["flaggems"]
+    assert calls == [CFG_A, None]
+    st = hook.stats()
+    assert (st["lean"], st["lean_fallback"], st["lean_unavailable"]) == (0, 0, 2)
+    assert st["dispatched"] == 3 and st["fallback"] == 3
+
+
 def _record(msg: str, level: int = logging.WARNING) -> logging.LogRecord:
     return logging.LogRecord("flag_gems.x", level, __file__, 1, msg, ("NVIDIA_H200",), None)
 

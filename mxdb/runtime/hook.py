@@ -443,10 +443,10 @@ class Hook:
         if decision.config is None:
             c["fallback"] += 1
             if self._lean_ok(hs):
-                run = self._pipeline(params, None, lenient=True)
-                if run is not None:
+                done, out = self._lean(params, None)
+                if done:
                     c["lean_fallback"] += 1
-                    return self._call_runner(run, params)
+                    return out
             return self.orig_impl(*args, **kwargs)
         if self._sample_every:
             key = (shape, rc)
@@ -465,6 +465,25 @@ class Hook:
             and getattr(hs, "is_cuda", False) is True
             and int(hs.shape[0]) <= self.lean_max_tokens
         )
+
+    def _lean(self, params: dict[str, Any], config: KernelConfig | None) -> tuple[bool, Any]:
+        """Run the call through the lean layer: (True, output), or (False, None) when the
+        layer cannot be built or its first call fails (kept in ``lean_errors``; the caller
+        then takes FlagGems' path, and this layer is not tried again)."""
+        run = self._pipeline(params, config, lenient=True)
+        if run is None:
+            return False, None
+        try:
+            return True, self._call_runner(run, params)
+        except Exception as exc:
+            if self._capturing():  # a failed capture is the caller's to handle
+                raise
+            key = self._pipeline_key(params, config)
+            with self._lock:
+                self._pipelines.pop(key, None)
+                self.lean_errors[key] = f"{type(exc).__name__}: {exc}"[:500]
+            self.counters["lean_unavailable"] += 1
+            return False, None
 
     def _call_runner(self, run: Runner, params: dict[str, Any]) -> Any:
         tls = self._tls
@@ -515,11 +534,11 @@ class Hook:
             self._plans[id(config)] = plan
         _, fits, triton = plan
         if self._lean_ok(params["hidden_states"]):
-            lean = self._pipeline(params, config, lenient=True)
-            if lean is not None:
+            done, out = self._lean(params, config)
+            if done:
                 c["dispatched"] += 1
                 c["lean"] += 1
-                return self._call_runner(lean, params)
+                return out
         if not fits:
             if self.split == "pipeline":
                 c["split_pipeline"] += 1
@@ -540,6 +559,16 @@ class Hook:
             tls.config = None
             tls.quiet = False
 
+    @staticmethod
+    def _pipeline_key(params: dict[str, Any], config: KernelConfig | None) -> tuple[Any, ...]:
+        w1, w2 = params["w1"], params["w2"]
+        ptr1, ptr2 = getattr(w1, "data_ptr", None), getattr(w2, "data_ptr", None)
+        return (
+            ptr1() if callable(ptr1) else id(w1),
+            ptr2() if callable(ptr2) else id(w2),
+            config.hash if config is not None else "flaggems",
+        )
+
     def _pipeline(
         self, params: dict[str, Any], config: KernelConfig | None, *, lenient: bool = False
     ) -> Runner | None:
@@ -549,12 +578,7 @@ class Hook:
         of raising; the caller then takes FlagGems' path.
         """
         w1, w2 = params["w1"], params["w2"]
-        ptr1, ptr2 = getattr(w1, "data_ptr", None), getattr(w2, "data_ptr", None)
-        key = (
-            ptr1() if callable(ptr1) else id(w1),
-            ptr2() if callable(ptr2) else id(w2),
-            config.hash if config is not None else "flaggems",
-        )
+        key = self._pipeline_key(params, config)
         run = self._pipelines.get(key)
         if run is None:
             if lenient and key in self.lean_errors:
