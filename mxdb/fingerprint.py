@@ -6,7 +6,8 @@ what it can know from installed distributions (versions via
 ``importlib.metadata``, the FlagGems fused-MoE source located with
 ``importlib.util.find_spec``, which does not import the package) and leaves
 the device components absent (``None``); the GPU layer passes the device facts
-it read in ``live``.  Nothing here imports torch, triton or flag_gems.
+it read in ``live``.  Nothing here imports torch, triton or flag_gems, except ``describe``
+on a GPU host, which reads this host's live fingerprint through ``mxdb.hostinfo``.
 """
 
 from __future__ import annotations
