@@ -91,3 +91,65 @@ def test_help_runs_without_a_gpu() -> None:
         [sys.executable, str(SCRIPT), "hooked", "--help"], capture_output=True, text=True
     )
     assert out.returncode == 0 and "--max-tokens" in out.stdout
+
+
+class _W:
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def data_ptr(self) -> int:
+        return self.ptr
+
+
+class _Cfg:
+    def __init__(self, h: str) -> None:
+        self.hash = h
+
+
+def test_injector_slows_one_config_on_some_layers(serving: Any) -> None:
+    built: list[Any] = []
+    ran: list[tuple[Any, bool]] = []
+
+    def base(w1: Any, w2: Any, topk: int, config: Any) -> Any:
+        built.append((w1.ptr, config and config.hash))
+        return lambda x, tw, ids, inplace: ran.append((w1.ptr, inplace)) or "out"
+
+    inj = serving.Injector(base, 10, "slow", {1})
+    a, b = _Cfg("slow"), _Cfg("fast")
+    slow_run = inj(_W(1), _W(11), 8, a)
+    assert inj(_W(1), _W(11), 8, a) is slow_run  # built once, shared by later hooks
+    other_layer = inj(_W(2), _W(12), 8, a)
+    other_cfg = inj(_W(1), _W(11), 8, b)
+    fallback = inj(_W(1), _W(11), 8, None)
+    assert len(built) == 4
+    for run in (slow_run, other_layer, other_cfg, fallback):
+        assert run(0, 0, 0, False) == "out"
+    assert len(ran) == 4 and inj.count == 0
+    inj.on = True
+    ran.clear()
+    assert slow_run(0, 0, 0, True) == "out"
+    # nine extra out-of-place runs, then the real (in-place) one
+    assert ran == [(1, False)] * 9 + [(1, True)] and inj.count == 1
+    ran.clear()
+    for run in (other_layer, other_cfg, fallback):
+        run(0, 0, 0, False)
+    assert len(ran) == 3 and inj.count == 1
+
+
+def test_healing_summary(serving: Any) -> None:
+    doc = {
+        "clean": {"tokens_per_s": [100.0, 102.0, 98.0]},
+        "static": {"injected_tokens_per_s": [30.0, 31.0]},
+        "healing": {
+            "injected_tokens_per_s": [30.0, 40.0, 97.0, 96.0, 98.0, 99.0],
+            "transitions": [{"kind": "calibrated"}, {"kind": "demote"}],
+        },
+        "ladder": {"tokens_per_s": {"off": [100.0], "4096": [99.5], "64": [98.0], "4": [90.0]}},
+    }
+    s = serving.healing_summary(doc, tail=4)
+    assert s["healed_tokens_per_s"] == pytest.approx(97.5)
+    assert s["healed_over_clean"] == pytest.approx(0.975)
+    assert s["healed_over_static"] == pytest.approx(97.5 / 30.5)
+    assert s["transitions"] == ["calibrated", "demote"]
+    assert s["ladder_overhead"]["4096"] == pytest.approx(0.005)
+    assert s["ladder_overhead"]["4"] == pytest.approx(0.1)
