@@ -83,12 +83,15 @@ def host_fingerprint(*, offline: bool = False) -> HostFingerprint:
     if evidence is None:
         return HostFingerprint(collect(), "offline", "no GPU detected on this host")
     try:
+        from mxdb import __version__
         from mxdb.kernels.live import live_fingerprint_components
 
-        live = live_fingerprint_components()
+        # exactly what the tuner records (GpuBackend.fingerprint): the live components
+        # and mxdb's version
+        live = Fingerprint(**{**live_fingerprint_components(), "mxdb": __version__})
     except Exception as exc:  # torch without a usable device, or no GPU layer installed
         reason = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:200]
         return HostFingerprint(
             collect(), "offline", f"GPU detected ({evidence}) but not readable: {reason}"
         )
-    return HostFingerprint(collect(live), "live", f"read live (GPU detected: {evidence})")
+    return HostFingerprint(live, "live", f"read live (GPU detected: {evidence})")
