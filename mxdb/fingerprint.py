@@ -6,7 +6,8 @@ what it can know from installed distributions (versions via
 ``importlib.metadata``, the FlagGems fused-MoE source located with
 ``importlib.util.find_spec``, which does not import the package) and leaves
 the device components absent (``None``); the GPU layer passes the device facts
-it read in ``live``.  Nothing here imports torch, triton or flag_gems.
+it read in ``live``.  Nothing here imports torch, triton or flag_gems, except ``describe``
+on a GPU host, which reads this host's live fingerprint through ``mxdb.hostinfo``.
 """
 
 from __future__ import annotations
@@ -338,15 +339,24 @@ def load_fingerprint(path: str | os.PathLike[str]) -> Fingerprint:
     return parse_fingerprint(data, source=str(p))
 
 
-def describe(other: str | os.PathLike[str] | None = None) -> dict[str, Any]:
-    """The current fingerprint as a document, and its changes against a recorded one.
+def describe(
+    other: str | os.PathLike[str] | None = None, *, offline: bool = False
+) -> dict[str, Any]:
+    """This host's fingerprint as a document, and its changes against a recorded one.
 
-    Returns ``{"fingerprint": {...components, hash}, "absent": [...],
-    "diff_against": path | None, "changes": [{component, old, new}, ...]}``.
+    This host's is ``mxdb.hostinfo.host_fingerprint``: live on a GPU host, GPU-free with
+    ``offline`` or without a GPU.  Returns ``{"fingerprint": {...components, hash},
+    "source", "note", "absent": [...], "diff_against": path | None,
+    "changes": [{component, old, new}, ...]}``.
     """
-    current = collect()
+    from mxdb.hostinfo import host_fingerprint
+
+    host = host_fingerprint(offline=offline)
+    current = host.fingerprint
     result: dict[str, Any] = {
         "fingerprint": fingerprint_document(current),
+        "source": host.source,
+        "note": host.note,
         "absent": current.absent(),
         "diff_against": None,
         "changes": [],

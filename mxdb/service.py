@@ -22,10 +22,16 @@ def dispatch_once(
     routing_class: str | None = None,
     fingerprint_file: str | Path | None = None,
     policy: str = "strict",
+    offline: bool = False,
 ) -> dict[str, Any]:
-    """The dispatch decision for one call, as a JSON-ready dict (shape and routing included)."""
-    from mxdb.dispatcher import Dispatcher, DispatchOptions, current_fingerprint
+    """The dispatch decision for one call, as a JSON-ready dict (shape and routing included).
+
+    Without ``fingerprint_file`` it answers for this host (``mxdb.hostinfo.host_fingerprint``:
+    the live fingerprint on a GPU host, the GPU-free one with ``offline`` or without a GPU).
+    """
+    from mxdb.dispatcher import Dispatcher, DispatchOptions
     from mxdb.fingerprint import load_fingerprint
+    from mxdb.hostinfo import host_fingerprint
     from mxdb.store import Store
 
     shape = MoEShape(experts, hidden, intermediate, topk, tokens, dtype)
@@ -45,7 +51,11 @@ def dispatch_once(
         feats = routing_features(ids, experts)
         routing_class = feats.routing_class
         features = feats.to_dict()
-    fingerprint = load_fingerprint(fingerprint_file) if fingerprint_file else current_fingerprint()
+    if fingerprint_file:
+        fingerprint, source = load_fingerprint(fingerprint_file), "file"
+    else:
+        host = host_fingerprint(offline=offline)
+        fingerprint, source = host.fingerprint, host.source
     with Store.open(db, create=False) as store:
         dispatcher = Dispatcher(store, fingerprint, DispatchOptions(policy=policy))
         decision = dispatcher.resolve(shape, routing_class)
@@ -53,6 +63,7 @@ def dispatch_once(
         "shape": {**shape.to_dict(), "family": shape.family},
         "routing_class": routing_class or dispatcher.options.default_routing_class,
         "fingerprint_hash": fingerprint.hash,
+        "fingerprint_source": source,
         **decision.to_dict(),
         "config_short": decision.config.short() if decision.config is not None else None,
     }

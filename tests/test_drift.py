@@ -63,7 +63,7 @@ def test_each_component_upgrade(store: Store, name: str, component: str, policy:
     store.put_fingerprint(old)
     [eid] = store.add_entries([_entry(old)])
     new = _upgrade(old, component)
-    report = check(store, new, policy=policy)
+    report = check(store, new, policy=policy, mark=True)
     breaks = component in POLICIES[policy]
     assert report["marked"] == (1 if breaks else 0)
     assert store.get_entry(eid).status == ("stale" if breaks else "verified")
@@ -89,7 +89,7 @@ def test_cross_device_and_workload(store: Store, tmp_path: Path) -> None:
         + [_entry(h200, tokens=256, routing="skewed")]
     )
     out = tmp_path / "retune.yaml"
-    report = check(store, h200, policy="device", workload_out=out)
+    report = check(store, h200, policy="device", mark=True, workload_out=out)
     assert report["marked"] == 2 and store.get_entry(ids[2]).status == "verified"
     [d] = report["drifted"]
     assert {"vendor", "device_name", "warp_size"} <= set(d["breaking"])
@@ -98,7 +98,7 @@ def test_cross_device_and_workload(store: Store, tmp_path: Path) -> None:
     assert [r.kind for r in wl.routings] == ["hot", "uniform"]
     assert (wl.models[0].experts, wl.models[0].hidden, wl.models[0].topk) == (8, 4096, 2)
     # Idempotent: a second check marks nothing, but the workload still covers the stale keys.
-    again = check(store, h200, policy="device")
+    again = check(store, h200, policy="device", mark=True)
     assert again["marked"] == 0 and again["already_stale"] == 2
     assert again["workload"]["tokens"] == [16, 64]
 
@@ -111,14 +111,15 @@ def test_cli_check_exit_codes_and_json(store: Store, db: str, tmp_path: Path) ->
     fp_file.write_text(json.dumps(fingerprint_document(new)))
     runner = CliRunner()
     base = ["drift", "check", "--db", db, "--fingerprint", str(fp_file)]
-    dry = runner.invoke(cli, [*base, "--dry-run"])
+    dry = runner.invoke(cli, base)
     assert dry.exit_code == 1 and "would mark 1" in dry.output
-    res = runner.invoke(cli, [*base, "--json", "--out", str(tmp_path / "w.yaml")])
+    assert store.entries(status="stale") == []
+    res = runner.invoke(cli, [*base, "--mark", "--json", "--out", str(tmp_path / "w.yaml")])
     assert res.exit_code == 1, res.output
     doc = json.loads(res.output)
     assert doc["marked"] == 1 and doc["drifted"][0]["breaking"] == ["torch"]
     assert load_workload(tmp_path / "w.yaml").tokens == [16]
-    res = runner.invoke(cli, base)
+    res = runner.invoke(cli, [*base, "--mark"])
     assert res.exit_code == 0 and "marked 0" in res.output
     same = tmp_path / "same.json"
     same.write_text(json.dumps(fingerprint_document(old)))

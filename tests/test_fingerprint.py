@@ -260,7 +260,8 @@ def test_load_fingerprint_errors(tmp_path: Path) -> None:
     )
 
 
-def test_cli_fingerprint_json_round_trips(tmp_path: Path) -> None:
+def test_cli_fingerprint_json_round_trips(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MXDB_GPU_HOST", "0")  # the GPU-free fingerprint, on any host
     runner = CliRunner()
     result = runner.invoke(cli, ["fingerprint", "--json"])
     assert result.exit_code == 0, result.output
@@ -275,7 +276,8 @@ def test_cli_fingerprint_json_round_trips(tmp_path: Path) -> None:
     assert same.exit_code == 0 and "no component changed" in same.output
 
 
-def test_cli_fingerprint_human_and_diff() -> None:
+def test_cli_fingerprint_human_and_diff(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MXDB_GPU_HOST", "0")  # the GPU-free fingerprint, on any host
     runner = CliRunner()
     result = runner.invoke(cli, ["fingerprint"])
     assert result.exit_code == 0

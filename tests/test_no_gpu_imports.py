@@ -37,6 +37,8 @@ def guarded_env(tmp_path: Path) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join([str(stubs), env.get("PYTHONPATH", "")])
     env["MXDB_DB"] = f"sqlite:///{tmp_path / 'store.sqlite'}"
     env["MXDB_MARKERS"] = str(markers)
+    # a CPU-only host, even when the suite runs on a GPU host (see test_gpu_host_detection)
+    env["MXDB_GPU_HOST"] = "0"
     return env
 
 
@@ -101,3 +103,26 @@ def test_cpu_commands_load_no_gpu_package(guarded_env: dict[str, str], tmp_path:
         )
         assert out.returncode == expected, (argv, out.stdout[-2000:], out.stderr[-2000:])
         assert _markers(guarded_env) == [], (argv, out.stderr)
+
+
+def test_gpu_host_detection(guarded_env: dict[str, str]) -> None:
+    """On a GPU host --offline imports nothing; without it the GPU layer is tried, lazily."""
+    env = {**guarded_env, "MXDB_GPU_HOST": "1"}
+    shape = ["-E", "8", "-H", "4096", "-I", "14336", "-k", "2", "-M", "4", "--json"]
+    for argv in (["fingerprint", "--offline", "--json"], ["dispatch", *shape, "--offline"]):
+        out = subprocess.run(
+            [sys.executable, "-m", "mxdb", *argv], env=env, capture_output=True, text=True
+        )
+        assert out.returncode == 0, (argv, out.stderr)
+        assert _markers(env) == [], argv
+    out = subprocess.run(
+        [sys.executable, "-m", "mxdb", "fingerprint", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    # the stand-in torch refuses to import: the GPU-free fingerprint, and why
+    assert doc["source"] == "offline" and "not readable" in doc["note"]
+    assert "torch" in _markers(env)

@@ -91,6 +91,12 @@ def _model_dims(model_config: Path | None, tp: int, ep: int) -> tuple[int, int, 
     help="Fingerprint match policy: strict (every component) or device (device, Triton, "
     "FlagGems and kernel source).",
 )
+@click.option(
+    "--offline",
+    is_flag=True,
+    help="Answer with the GPU-free fingerprint even on a GPU host (never imports torch). "
+    "Default on a GPU host: the live fingerprint, as the tuner records it.",
+)
 @db_option
 @json_option
 @handle_errors
@@ -108,6 +114,7 @@ def dispatch_cmd(
     routing_class: str | None,
     fingerprint_file: Path | None,
     policy: str,
+    offline: bool,
     db: str | None,
     as_json: bool,
 ) -> None:
@@ -144,6 +151,7 @@ def dispatch_cmd(
         routing_class=routing_class,
         fingerprint_file=fingerprint_file,
         policy=policy,
+        offline=offline,
     )
     if as_json:
         emit_json(result)

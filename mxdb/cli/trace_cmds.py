@@ -68,17 +68,24 @@ def trace_cmd(file: Path, experts: int, align_block: int, as_json: bool) -> None
     help="Compare with a recorded fingerprint (from `mxdb fingerprint --json`); "
     "exit 1 when components differ.",
 )
+@click.option(
+    "--offline",
+    is_flag=True,
+    help="The GPU-free fingerprint even on a GPU host (never imports torch).",
+)
 @json_option
 @handle_errors
-def fingerprint_cmd(other: Path | None, as_json: bool) -> None:
+def fingerprint_cmd(other: Path | None, offline: bool, as_json: bool) -> None:
     """Print this environment's fingerprint and its hash.
 
-    Without a GPU only software components are known; the others are marked
-    absent.  With --diff, name the components that changed since OTHER.json.
+    On a GPU host it is the live fingerprint (device facts read through torch), the one the
+    tuner records; without a GPU, or with --offline, only software components are known and
+    the others are marked absent.  With --diff, name the components that changed since
+    OTHER.json.
     """
     from mxdb.fingerprint import describe
 
-    doc = describe(other)
+    doc = describe(other, offline=offline)
     if as_json:
         emit_json(doc)
     else:
@@ -89,6 +96,7 @@ def fingerprint_cmd(other: Path | None, as_json: bool) -> None:
         rows.append(("hash", fp["hash"]))
         # recorded data outside the hash (the FlagGems config table's hash, when installed)
         rows.append(("flaggems_moe_table", doc["data"].get("flaggems_moe_table", "absent")))
+        rows.append(("source", f"{doc['source']} ({doc['note']})"))
         _print_rows("fingerprint", rows)
         if other is not None:
             changes = doc["changes"]

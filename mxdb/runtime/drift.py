@@ -17,6 +17,7 @@ the criterion only for entries with no recorded speedup.
 from __future__ import annotations
 
 import statistics
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 import yaml
 
 from mxdb.configs import KernelConfig
-from mxdb.errors import UsageError
+from mxdb.errors import MxdbError, UsageError
 from mxdb.fingerprint import diff, mismatches
 from mxdb.models import Entry, Fingerprint
 from mxdb.shapes import MoEShape
@@ -45,25 +46,49 @@ _GUARD_ROUTINGS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+#: Fingerprint components that only a visible GPU (or its driver) can tell.  A fingerprint with
+#: none of them was taken where no GPU was seen (``mxdb fingerprint --offline``, a CPU-only CI
+#: job): it cannot judge whether entries measured on a GPU still hold.
+GPU_FACTS: tuple[str, ...] = (
+    "device_name",
+    "arch",
+    "sm_count",
+    "smem_per_block",
+    "warp_size",
+    "driver",
+    "toolkit",
+)
+
+
+def has_gpu_facts(fp: Fingerprint) -> bool:
+    """Whether ``fp`` records anything about a GPU (see ``GPU_FACTS``)."""
+    return any(getattr(fp, c) is not None for c in GPU_FACTS)
+
+
 def _key(e: Entry) -> tuple[str, str, str, int, str]:
     return (e.op, e.dtype, e.family, e.tokens, e.routing_class)
 
 
 def retune_workload(entries: Sequence[Entry], name: str) -> dict[str, Any] | None:
-    """A workload (``mxdb.tune.workload`` form) covering the entries' shapes, or None if none.
+    """A workload (``mxdb.tune.workload`` form) covering the MoE entries' shapes, or None.
 
-    A workload is a cross product, so with several families it covers a superset of the
-    stale keys: every family at every stale token count, dtype and routing.
+    Only ``fused_moe`` entries go into a MoE workload (the others are listed by
+    ``decode_cases``).  A workload is a cross product, so with several families it covers a
+    superset of the stale keys: every family at every stale token count, dtype and routing.
     """
-    if not entries:
+    moe = [e for e in entries if e.op == "fused_moe"]
+    if not moe:
         return None
     models: dict[tuple[int, int, int, int], dict[str, int]] = {}
     tokens: set[int] = set()
     dtypes: list[str] = []
     classes: list[str] = []
-    for e in entries:
+    for e in moe:
         d = e.dims
-        dims = (d["experts"], d["hidden"], d["intermediate"], d["topk"])
+        try:
+            dims = (d["experts"], d["hidden"], d["intermediate"], d["topk"])
+        except KeyError:  # a damaged row: nothing to re-tune it with
+            continue
         models.setdefault(
             dims, {"experts": dims[0], "hidden": dims[1], "intermediate": dims[2], "topk": dims[3]}
         )
@@ -72,6 +97,8 @@ def retune_workload(entries: Sequence[Entry], name: str) -> dict[str, Any] | Non
             dtypes.append(e.dtype)
         if e.routing_class not in classes and e.routing_class in CLASS_ROUTINGS:
             classes.append(e.routing_class)
+    if not models:
+        return None
     return {
         "name": name,
         "models": [models[k] for k in sorted(models)],
@@ -81,23 +108,45 @@ def retune_workload(entries: Sequence[Entry], name: str) -> dict[str, Any] | Non
     }
 
 
+def decode_cases(entries: Sequence[Entry]) -> list[dict[str, Any]]:
+    """The decode-op cases (op, dims, tokens, dtype) among ``entries``, to re-tune; sorted."""
+    seen: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for e in entries:
+        if e.op == "fused_moe":
+            continue
+        dims = {k: int(v) for k, v in sorted(e.dims.items()) if k != "tokens"}
+        key = (e.op, tuple(dims.items()), e.tokens, e.dtype)
+        seen.setdefault(key, {"op": e.op, "dims": dims, "tokens": e.tokens, "dtype": e.dtype})
+    return [seen[k] for k in sorted(seen)]
+
+
 def check(
     store: Any,
     current: Fingerprint,
     *,
     policy: str = "strict",
-    mark: bool = True,
+    mark: bool = False,
     workload_out: str | Path | None = None,
 ) -> dict[str, Any]:
-    """Find (and mark) entries made stale by a changed environment; see the module docstring.
+    """Find entries made stale by a changed environment; mark them only when ``mark``.
 
-    Returns ``{"fingerprint", "policy", "drifted": [{fingerprint_hash, changes, breaking,
-    entries}], "marked": n, "already_stale": n, "workload": {...} | None, "workload_path"}``.
+    Every op kind is checked (MoE configs and decode-op choices alike).  A stored fingerprint
+    that records a GPU is not judged by a current fingerprint without GPU facts (see
+    ``GPU_FACTS``): it is listed under ``cannot_judge`` and its entries are left alone.  The
+    whole report is worked out before anything is written, so a failure leaves the store as
+    it was.
+
+    Returns ``{"fingerprint", "policy", "dry_run", "drifted": [{fingerprint_hash, changes,
+    breaking, entries}], "cannot_judge": [{fingerprint_hash, device_name, entries, reason}],
+    "marked", "would_mark", "already_stale", "workload" | None, "decode_cases",
+    "workload_path"}``.
     """
     if policy not in ("strict", "device"):
         raise UsageError(f"fingerprint policy {policy!r} unknown; use strict or device")
     known = store.fingerprints()
+    judge_gpu = has_gpu_facts(current)
     drifted: list[dict[str, Any]] = []
+    cannot_judge: list[dict[str, Any]] = []
     to_mark: dict[str, list[int]] = {}
     newly: list[Entry] = []
     for h, old in sorted(known.items()):
@@ -107,6 +156,21 @@ def check(
         if not breaking:
             continue
         entries = store.entries(fingerprint_hash=h, status=["verified", "baseline"])
+        if not judge_gpu and has_gpu_facts(old):
+            cannot_judge.append(
+                {
+                    "fingerprint_hash": h,
+                    "device_name": old.device_name,
+                    "entries": [e.id for e in entries],
+                    "reason": (
+                        "the current fingerprint has no GPU facts (device, architecture, "
+                        "driver and toolkit absent), so it cannot judge entries measured on "
+                        f"{old.device_name or 'a GPU'}; run on the GPU host, or pass a GPU "
+                        "fingerprint with --fingerprint"
+                    ),
+                }
+            )
+            continue
         changes = diff(old, current)
         drifted.append(
             {
@@ -120,10 +184,6 @@ def check(
             reason = "environment changed (" + "; ".join(c.describe() for c in breaking) + ")"
             to_mark[reason] = [int(e.id) for e in entries if e.id is not None]
             newly.extend(entries)
-    marked = 0
-    if mark:
-        for reason, ids in to_mark.items():
-            marked += store.set_status(ids, "stale", reason)
     # Stale keys with no verified entry of this environment still need re-tuning.
     ok_hashes = {h for h, fp in known.items() if not mismatches(fp, current, policy)}
     ok_hashes.add(current.hash)
@@ -140,25 +200,33 @@ def check(
         already += 1
         if _key(e) not in covered:
             affected[e.id] = e
-    workload = retune_workload(
-        sorted(affected.values(), key=lambda e: e.id or 0), f"retune-{current.hash}"
-    )
-    path = None
+    ordered = sorted(affected.values(), key=lambda e: e.id or 0)
+    workload = retune_workload(ordered, f"retune-{current.hash}")
     if workload is not None and workload_out is not None:
-        from mxdb.fileio import atomic_write_text
         from mxdb.tune.workload import parse_workload
 
         parse_workload(workload, source="re-tune workload")  # it must load back
+    marked = 0
+    if mark:
+        for reason, ids in to_mark.items():
+            marked += store.set_status(ids, "stale", reason)
+    path = None
+    if workload is not None and workload_out is not None:
+        from mxdb.fileio import atomic_write_text
+
         atomic_write_text(Path(workload_out), yaml.safe_dump(workload, sort_keys=False))
         path = str(workload_out)
     return {
         "fingerprint": current.hash,
         "policy": policy,
+        "dry_run": not mark,
         "drifted": drifted,
-        "marked": marked if mark else 0,
+        "cannot_judge": cannot_judge,
+        "marked": marked,
         "would_mark": sum(len(v) for v in to_mark.values()),
         "already_stale": already,
         "workload": workload,
+        "decode_cases": decode_cases(ordered),
         "workload_path": path,
     }
 
@@ -196,9 +264,10 @@ def guard(
     current = backend.fingerprint()
     fps = store.fingerprints()
     ok = {h for h, fp in fps.items() if not mismatches(fp, current, policy)} | {current.hash}
+    # the MoE backend re-measures MoE configs; decode-op choices are not its to guard
     candidates = [
         e
-        for e in store.entries(status="verified")
+        for e in store.entries(op="fused_moe", status="verified")
         if e.fingerprint_hash in ok and e.median_us and e.median_us > 0
     ]
     chosen = guard_entries(candidates, max_shapes)
@@ -276,6 +345,301 @@ def _guard_one(backend: Any, e: Entry, *, threshold: float, reps: int, seed: int
     return row
 
 
+# -- re-verification: stale entries re-measured in the current environment ---------------------
+
+#: The source of the entries ``reverify`` writes (one per re-measured stale entry).
+REVERIFY_SOURCE = "reverify"
+
+
+def _verdict_key(e: Entry) -> tuple[str, str, str, int, str, str]:
+    return (e.op, e.dtype, e.family, e.tokens, e.routing_class, e.config_hash)
+
+
+def reverify(
+    store: Any,
+    backend: Any,
+    *,
+    decode_backend: Any = None,
+    reps: int = 20,
+    seed: int = 0,
+    entry_ids: Sequence[int] | None = None,
+    evidence_out: str | Path | None = None,
+) -> dict[str, Any]:
+    """Re-measure stale entries in the backend's environment; each is verified again or rejected.
+
+    A stale entry is kept as it is: the record of what held in its old environment.  The
+    verdict is a new entry of the same key and config under the current fingerprint (source
+    ``reverify``): ``verified`` when the config passes the correctness check and beats FlagGems'
+    choice (timed beside it, interleaved, on the class's synthetic routing) by more than the
+    noise band of a same-config control pair of FlagGems' choice; ``baseline`` when the config
+    is FlagGems' own choice in this environment; ``rejected`` otherwise, with the reason.  The
+    stale entry's reason names the verdict entry.  Every timing is stored as a measurement
+    (the evidence; the verdict entry's ``evidence`` names its run), and with ``evidence_out``
+    the whole report, raw samples included, is also written as JSON.
+
+    Decode-op entries are re-measured with ``decode_backend`` (all implementations, the
+    decode tuner's rule): verified again when their implementation still wins, else rejected
+    (and the new winner stored verified).  Without a decode backend they are skipped.
+    Entries that already have a verdict in this environment are skipped, so a second run
+    measures nothing twice.
+    """
+    if reps < 1:
+        raise UsageError(f"reps must be >= 1, got {reps}")
+    current = backend.fingerprint()
+    store.put_fingerprint(current)
+    done = {
+        _verdict_key(e)
+        for e in store.entries(fingerprint_hash=current.hash, source=REVERIFY_SOURCE)
+    }
+    stale = store.entries(status="stale")
+    if entry_ids is not None:
+        wanted = {int(i) for i in entry_ids}
+        missing = sorted(wanted - {int(e.id) for e in stale if e.id is not None})
+        if missing:
+            raise UsageError(
+                f"entries {missing} are not stale; reverify takes stale entries "
+                "(mxdb drift check --mark lists and marks them)"
+            )
+        stale = [e for e in stale if e.id in wanted]
+    rows: list[dict[str, Any]] = []
+    tag = f"reverify-{current.hash}-{uuid.uuid4().hex[:8]}"
+    for e in stale:
+        if _verdict_key(e) in done:
+            rows.append(_row(e, "skipped", "already re-verified in this environment"))
+            continue
+        if e.op == "fused_moe":
+            row = _reverify_moe(store, backend, current, e, reps=reps, seed=seed, tag=tag)
+        elif decode_backend is not None:
+            row = _reverify_decode(store, decode_backend, current, e, reps=reps, seed=seed, tag=tag)
+        else:
+            row = _row(e, "skipped", f"no decode-op backend to re-measure {e.op}")
+        rows.append(row)
+        done.add(_verdict_key(e))
+    counts = {v: sum(1 for r in rows if r["verdict"] == v) for v in VERDICTS}
+    report: dict[str, Any] = {
+        "fingerprint": current.hash,
+        "backend": getattr(backend, "name", type(backend).__name__),
+        "run": tag,
+        "reps": reps,
+        "seed": seed,
+        **counts,
+        "results": rows,
+        "evidence_path": None,
+    }
+    if evidence_out is not None:
+        import json
+
+        from mxdb.fileio import atomic_write_text
+        from mxdb.fingerprint import fingerprint_document
+
+        report["evidence_path"] = str(evidence_out)
+        doc = {
+            "schema": "mxdb.reverify",
+            **report,
+            "fingerprint_document": fingerprint_document(current),
+        }
+        atomic_write_text(Path(evidence_out), json.dumps(doc, indent=2, sort_keys=True) + "\n")
+    return report
+
+
+#: The verdicts a re-verification row can have.
+VERDICTS = ("verified", "baseline", "rejected", "skipped")
+
+
+def _row(e: Entry, verdict: str, reason: str, **figures: Any) -> dict[str, Any]:
+    return {
+        "entry_id": e.id,
+        "op": e.op,
+        "family": e.family,
+        "dtype": e.dtype,
+        "tokens": e.tokens,
+        "routing_class": e.routing_class,
+        "config_hash": e.config_hash,
+        "verdict": verdict,
+        "reason": reason,
+        "new_entry_id": None,
+        **figures,
+    }
+
+
+def _median(samples: Sequence[float]) -> float | None:
+    return statistics.median(samples) if samples else None
+
+
+def _reverify_moe(
+    store: Any, backend: Any, current: Fingerprint, e: Entry, *, reps: int, seed: int, tag: str
+) -> dict[str, Any]:
+    from mxdb.evidence.thresholds import passes
+    from mxdb.models import Measurement
+    from mxdb.routing_gen import generate
+
+    d = e.dims
+    try:
+        shape = MoEShape(d["experts"], d["hidden"], d["intermediate"], d["topk"], e.tokens, e.dtype)
+        config = KernelConfig.parse(e.config)
+    except (KeyError, MxdbError, ValueError) as exc:
+        return _row(e, "skipped", f"the stored entry cannot be re-measured: {exc}")
+    kind, params = _GUARD_ROUTINGS.get(e.routing_class, ("uniform", {}))
+    ids = generate(kind, e.tokens, shape.experts, shape.topk, seed, **params)
+    baseline = backend.baseline_config(shape)
+    is_baseline = config.hash == baseline.hash
+    # config, FlagGems' choice, and its control twin: interleaved on the same inputs
+    order = [config, baseline, baseline]
+    timings = backend.time(shape, ids, order, reps=reps, seed=seed)
+    corr = backend.check(shape, ids, config, seed=seed)
+    run = f"{tag}-e{e.id}"
+    roles = ("candidate", "baseline", "control")
+    ms = [
+        Measurement(
+            run_id=f"{run}-{role}",
+            op="fused_moe",
+            dtype=e.dtype,
+            family=e.family,
+            dims=dict(e.dims),
+            tokens=e.tokens,
+            routing_class=e.routing_class,
+            seed=seed,
+            config=cfg.model_dump(),
+            config_hash=cfg.hash,
+            role=role,
+            fidelity="layer",
+            status=t.status,
+            error=t.error,
+            samples_us=list(t.samples_us),
+            median_us=_median(t.samples_us),
+            max_abs_err=corr.max_abs_err if role == "candidate" else None,
+            rel_err=corr.rel_err if role == "candidate" else None,
+            timing_method="graph",
+            fingerprint_hash=current.hash,
+        )
+        for role, cfg, t in zip(roles, order, timings, strict=True)
+    ]
+    store.add_measurements(ms)
+    t, b, c = timings
+    med, base, ctrl = _median(t.samples_us), _median(b.samples_us), _median(c.samples_us)
+    band = max(base, ctrl) / min(base, ctrl) - 1.0 if base and ctrl else None
+    speedup = base / med if base and med else None
+    figures: dict[str, Any] = {
+        "median_us": med,
+        "baseline_us": base,
+        "speedup": speedup,
+        "noise_band": band,
+        "max_abs_err": corr.max_abs_err,
+        "rel_err": corr.rel_err,
+        "samples_us": {r: list(x.samples_us) for r, x in zip(roles, timings, strict=True)},
+        "evidence": run,
+    }
+    status: str
+    if t.status != "ok" or med is None:
+        status, reason = "rejected", f"the config did not run here ({t.status}: {t.error})"
+    elif not passes(e.dtype, corr.max_abs_err, corr.rel_err):
+        status, reason = "rejected", "the config fails the correctness check here"
+    elif is_baseline:
+        status, reason = "baseline", "the config is FlagGems' own choice here"
+    elif speedup is None or band is None:
+        status, reason = "rejected", "FlagGems' choice has no timing here: nothing to compare"
+    elif speedup - 1.0 > band:
+        status, reason = "verified", f"speedup {speedup:.4f}x exceeds the noise band {band:.4f}"
+    else:
+        status, reason = "rejected", f"speedup {speedup:.4f}x is within the noise band {band:.4f}"
+    verdict = Entry(
+        op="fused_moe",
+        dtype=e.dtype,
+        family=e.family,
+        dims=dict(e.dims),
+        tokens=e.tokens,
+        routing_class=e.routing_class,
+        config=config.model_dump(),
+        config_hash=config.hash,
+        fingerprint_hash=current.hash,
+        device_name=current.device_name,
+        status=status,
+        source=REVERIFY_SOURCE,
+        speedup=1.0 if status == "baseline" else speedup,
+        noise_band=band,
+        median_us=med,
+        baseline_us=base,
+        evidence=run,
+        stale_reason=None if status != "rejected" else reason,
+    )
+    return _record_verdict(store, current, e, verdict, reason, figures)
+
+
+def _record_verdict(
+    store: Any,
+    current: Fingerprint,
+    e: Entry,
+    verdict: Entry,
+    reason: str,
+    figures: dict[str, Any],
+) -> dict[str, Any]:
+    [new_id] = store.add_entries([verdict])
+    if e.id is not None:
+        store.set_status(
+            [int(e.id)],
+            "stale",
+            f"{e.stale_reason or 'stale'}; re-measured in {current.hash}: "
+            f"{verdict.status} as entry {new_id} ({reason})",
+        )
+    row = _row(e, str(verdict.status), reason, **figures)
+    row["new_entry_id"] = new_id
+    return row
+
+
+def _reverify_decode(
+    store: Any,
+    backend: Any,
+    current: Fingerprint,
+    e: Entry,
+    *,
+    reps: int,
+    seed: int,
+    tag: str,
+) -> dict[str, Any]:
+    from mxdb.tune.decode import DecodeCase, _records, measure_case
+
+    try:
+        case = DecodeCase(
+            e.op, {k: v for k, v in e.dims.items() if k != "tokens"}, e.tokens, e.dtype
+        )
+    except MxdbError as exc:
+        return _row(e, "skipped", f"the stored entry cannot be re-measured: {exc}")
+    result = measure_case(backend, case, reps=reps, seed=seed)
+    run = f"{tag}-e{e.id}"
+    winner_entry, ms = _records(result, current, run)
+    store.add_measurements(ms)
+    impl = e.config.get("impl")
+    figures: dict[str, Any] = {
+        "winner": result.winner,
+        "speedup": result.speedup,
+        "noise_band": result.noise_band,
+        "median_us": result.winner_median_us,
+        "baseline_us": result.baseline_median_us,
+        "evidence": run,
+    }
+    if result.winner == impl:
+        verdict = winner_entry.model_copy(update={"source": REVERIFY_SOURCE})
+        return _record_verdict(store, current, e, verdict, result.reason, figures)
+    reason = f"{result.winner} wins here, not {impl} ({result.reason})"
+    rejected = winner_entry.model_copy(
+        update={
+            "config": dict(e.config),
+            "config_hash": e.config_hash,
+            "status": "rejected",
+            "source": REVERIFY_SOURCE,
+            "speedup": None,
+            "median_us": None,
+            "stale_reason": reason,
+        }
+    )
+    row = _record_verdict(store, current, e, rejected, reason, figures)
+    # the new winner is a verified answer for the key in this environment
+    [row["winner_entry_id"]] = store.add_entries(
+        [winner_entry.model_copy(update={"source": REVERIFY_SOURCE})]
+    )
+    return row
+
+
 # -- entry points for the CLI: open the store, call one function, close --------------------
 
 
@@ -284,15 +648,23 @@ def run_check(
     fingerprint_file: str | Path | None,
     *,
     policy: str = "strict",
-    mark: bool = True,
+    mark: bool = False,
     workload_out: str | Path | None = None,
+    offline: bool = False,
 ) -> dict[str, Any]:
-    """``mxdb drift check``: ``check`` on the store at ``db`` against a file or this host."""
-    from mxdb.dispatcher import current_fingerprint
+    """``mxdb drift check``: ``check`` on the store at ``db`` against a file or this host.
+
+    "This host" is ``mxdb.hostinfo.host_fingerprint``: the live fingerprint on a GPU host (the
+    one the tuner records), the GPU-free one with ``offline`` or on a host without a GPU.
+    """
     from mxdb.fingerprint import load_fingerprint
+    from mxdb.hostinfo import host_fingerprint
     from mxdb.store import Store
 
-    current = load_fingerprint(fingerprint_file) if fingerprint_file else current_fingerprint()
+    if fingerprint_file:
+        current = load_fingerprint(fingerprint_file)
+    else:
+        current = host_fingerprint(offline=offline).fingerprint
     with Store.open(db) as store:
         return check(store, current, policy=policy, mark=mark, workload_out=workload_out)
 
@@ -320,5 +692,48 @@ def run_guard(db: str | None, backend: str | Any, **options: Any) -> dict[str, A
     from mxdb.store import Store
 
     be = make_backend(backend) if isinstance(backend, str) else backend
-    with Store.open(db) as store:
-        return guard(store, be, **options)
+    try:
+        with Store.open(db) as store:
+            return guard(store, be, **options)
+    finally:
+        if isinstance(backend, str):  # made here: shut its compile pool down here
+            close = getattr(be, "close", None)
+            if callable(close):
+                close()
+
+
+def make_decode_backend(name: str) -> Any:
+    """The decode-op measuring backend for ``name``: the GPU's, or None for ``fake``."""
+    if name != "gpu":
+        return None
+    try:
+        from mxdb.kernels.decode_backend import DecodeGpuBackend
+    except ImportError as exc:
+        raise UsageError(
+            f"re-measuring decode ops on the GPU needs torch and triton ({exc}); install mxdb[gpu]"
+        ) from None
+    return DecodeGpuBackend()
+
+
+def run_reverify(db: str | None, backend: str | Any, **options: Any) -> dict[str, Any]:
+    """``mxdb drift reverify``: ``reverify`` on the store at ``db`` with a backend (name or
+    object).  The GPU's decode-op backend is made only when stale decode-op entries wait."""
+    from mxdb.store import Store
+
+    be = make_backend(backend) if isinstance(backend, str) else backend
+    try:
+        with Store.open(db) as store:
+            if isinstance(backend, str) and "decode_backend" not in options:
+                wanted = options.get("entry_ids")
+                decode = [
+                    e
+                    for e in store.entries(status="stale")
+                    if e.op != "fused_moe" and (wanted is None or e.id in set(wanted))
+                ]
+                options["decode_backend"] = make_decode_backend(backend) if decode else None
+            return reverify(store, be, **options)
+    finally:
+        if isinstance(backend, str):  # made here: shut its compile pool down here
+            close = getattr(be, "close", None)
+            if callable(close):
+                close()

@@ -11,10 +11,26 @@ them in an imported ``flag_gems`` module):
   every chunk): a wrapper that returns the dispatched config while the wrapped call is in
   progress on this thread, and FlagGems' own choice otherwise.
 
-When the dispatcher has no confident answer (a fallback decision) the call is FlagGems'
-unchanged.  Calls the store has no entries for are also left alone: quantized weights, an
-``expert_map``, biases, an activation other than silu, or router weights on the input.
-``uninstall()`` puts the original function objects back.
+When the dispatcher has no confident answer (a fallback decision) the call runs FlagGems'
+own choice.  Calls the store has no entries for are left to FlagGems unchanged: quantized
+weights, an ``expert_map``, biases, an activation other than silu, or router weights on the
+input.  ``uninstall()`` puts the original function objects back.
+
+**The lean layer for every call mxdb can run** (``lean=True``, the default).  A call on CUDA
+tensors with at most ``lean_max_tokens`` tokens runs through mxdb's lean layer
+(``mxdb.kernels.layer.MoELayer``: FlagGems' kernels replayed from recorded launches, no config
+lookup, no allocation, no logging on the call path): with the dispatched config, or, at a
+fallback, with FlagGems' own choice for that call.  Results are those of FlagGems with the same
+config.  One layer object per (weights, config) keeps a workspace per token count, so larger
+token counts (prefill, where the host cost matters least and workspaces would be large) keep
+FlagGems' path; so does a call whose lean layer cannot be built (the error is kept in
+``lean_errors``).  ``lean=False`` keeps FlagGems' own path for every call mxdb can express.
+
+**FlagGems' missing-table warning.**  FlagGems 5.0.2 logs "No embedded MoE configs for device
+..." whenever it looks up its (absent) table.  While the hook supplies the config (a dispatched
+call, a lean-layer call or build) a filter on FlagGems' fused-MoE logger drops exactly that
+warning (and its per-key twin "No embedded MoE config for device=..."); FlagGems' own
+fallback calls (``lean=False``) still log it.  The filter is removed by ``uninstall()``.
 
 **Configs FlagGems cannot express.**  FlagGems uses one config dict for both GEMMs and aligns
 to its ``BLOCK_SIZE_M``.  A verified ``KernelConfig`` whose GEMM2 differs from GEMM1, or whose
@@ -30,11 +46,23 @@ CUDA event; a later call of that layer looks at ``event.query()`` and, once the 
 classifies the ids and updates the layer's routing class.  Healing samples (every
 ``healing.sample_every`` calls of a key) record two CUDA events around the call; their elapsed
 time is read on a later sampled call once the end event has completed.
+
+**CUDA-graph capture.**  While the current stream is capturing a graph
+(``torch.cuda.is_current_stream_capturing()``), the hook queries no event, records none and
+starts no copy: the routing monitor's copy and poll and the healing sample of that call are
+skipped (counted as ``capture_deferred``), and the call runs with the dispatcher's current
+decision.  That decision (the config, healing's current choice included) is baked into the
+captured graph: every replay runs it, whatever the monitor or the healer decide later, until
+the caller captures again.  Monitoring and healing resume on the next call outside capture
+(eager calls keep sampling; replays are not seen by the hook).  Warm every token count up
+eagerly before capturing it, as CUDA graphs require anyway: the first call at a token count
+builds the lean layer's workspace, which compiles and loads kernels.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 import threading
 import time
 from collections import deque
@@ -74,13 +102,63 @@ _UNSUPPORTED_FLAGS = (
     "apply_router_weight_on_input",
 )
 
-#: A runner for configs FlagGems cannot express: (x, topk_weights, topk_ids, inplace) -> out.
+#: A runner of mxdb's own layer: (x, topk_weights, topk_ids, inplace) -> out.
 Runner = Callable[[Any, Any, Any, bool], Any]
-PipelineFactory = Callable[[Any, Any, int, KernelConfig], Runner]
+#: Builds a runner for (w1, w2, topk, config); config None means FlagGems' own choice.
+PipelineFactory = Callable[[Any, Any, int, "KernelConfig | None"], Runner]
+
+#: The start of FlagGems' missing-table warnings ("No embedded MoE configs for device %s. ..."
+#: and "No embedded MoE config for device=%s, key=%s. ...").
+MISSING_TABLE_PREFIX = "No embedded MoE config"
+#: FlagGems' loggers are children of this one.
+FLAGGEMS_LOGGER = "flag_gems"
+
+
+class MissingTableFilter(logging.Filter):
+    """Drops FlagGems' missing-table warning while ``active()`` (the hook supplies the config)."""
+
+    def __init__(self, active: Callable[[], bool]) -> None:
+        super().__init__()
+        self.active = active
+        self.dropped = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if (
+            record.levelno == logging.WARNING
+            and isinstance(record.msg, str)
+            and record.msg.startswith(MISSING_TABLE_PREFIX)
+            and self.active()
+        ):
+            self.dropped += 1
+            return False
+        return True
+
+
+def _flaggems_loggers(module: Any) -> list[logging.Logger]:
+    """The loggers FlagGems' fused-MoE code may log through.
+
+    A logger's filters only see records logged on that logger itself (not its children's),
+    so the filter goes on every logger of FlagGems that exists when the hook is installed
+    (``flag_gems`` and its descendants) and on every module-level ``Logger`` of the
+    fused-MoE module.
+    """
+    out = [logging.getLogger(FLAGGEMS_LOGGER)]
+    known = list(logging.Logger.manager.loggerDict.items())
+    for name, value in known:
+        if name.startswith(FLAGGEMS_LOGGER + ".") and isinstance(value, logging.Logger):
+            out.append(value)
+    for value in list(vars(module).values()):
+        if isinstance(value, logging.Logger) and value not in out:
+            out.append(value)
+    return out
 
 
 class HostClock:
     """Timing and top-k copies for host-side tensors (CPU runs and tests): synchronous."""
+
+    def capturing(self) -> bool:
+        """Host tensors are never captured in a CUDA graph."""
+        return False
 
     def mark(self) -> Any:
         return time.perf_counter()
@@ -110,6 +188,7 @@ class CudaClock:
         import torch
 
         self.torch = torch
+        self.capturing = torch.cuda.is_current_stream_capturing
 
     def mark(self) -> Any:
         ev = self.torch.cuda.Event(enable_timing=True)
@@ -158,8 +237,9 @@ class _Sample:
     end: Any
 
 
-def _kernels_pipeline(w1: Any, w2: Any, topk: int, config: KernelConfig) -> Runner:
-    """mxdb's own pipeline with the exact config (both GEMMs and the alignment)."""
+def _kernels_pipeline(w1: Any, w2: Any, topk: int, config: KernelConfig | None) -> Runner:
+    """mxdb's lean layer with the exact config (both GEMMs and the alignment), or with
+    FlagGems' own choice per token count when ``config`` is None."""
     import torch
 
     from mxdb.kernels.layer import MoELayer
@@ -185,10 +265,14 @@ class Hook:
         split: str = "pipeline",
         clock: Any = None,
         pipeline_factory: PipelineFactory | None = None,
-        max_pipelines: int = 64,
+        max_pipelines: int = 1024,
+        lean: bool = True,
+        lean_max_tokens: int = 256,
     ) -> None:
         if monitor_every < 0:
             raise UsageError(f"monitor_every must be >= 0 (0 disables), got {monitor_every}")
+        if lean_max_tokens < 0:
+            raise UsageError(f"lean_max_tokens must be >= 0, got {lean_max_tokens}")
         if split not in SPLIT_MODES:
             raise UsageError(f"split mode {split!r} unknown; use {', '.join(SPLIT_MODES)}")
         self.dispatcher = dispatcher
@@ -197,6 +281,10 @@ class Hook:
         self.clock = clock
         self.pipeline_factory = pipeline_factory or _kernels_pipeline
         self.max_pipelines = max_pipelines
+        self.lean = lean
+        self.lean_max_tokens = lean_max_tokens
+        #: why the lean layer could not be built, per (w1, w2, config) key
+        self.lean_errors: dict[tuple[Any, ...], str] = {}
         self.healer = Healer(healing, on_change=self._on_heal) if healing is not None else None
         self._sample_every = healing.sample_every if healing is not None else 0
         self._key_calls: dict[Hashable, int] = {}
@@ -207,6 +295,9 @@ class Hook:
         self._tls = threading.local()
         self._lock = threading.Lock()
         self._patched: list[tuple[Any, str, Any]] = []
+        self._capturing: Callable[[], bool] = _never
+        self.log_filter = MissingTableFilter(lambda: bool(getattr(self._tls, "quiet", False)))
+        self._filtered: list[logging.Logger] = []
         self.orig_impl: Any = None
         self.orig_config: Any = None
         self._binder: inspect.Signature | None = None
@@ -223,6 +314,10 @@ class Hook:
                 "class_updates",
                 "healing_samples",
                 "healing_probes",
+                "lean",
+                "lean_fallback",
+                "lean_unavailable",
+                "capture_deferred",
             ),
             0,
         )
@@ -242,6 +337,10 @@ class Hook:
             self._binder = None
         if self.clock is None:
             self.clock = _default_clock()
+        self._capturing = getattr(self.clock, "capturing", None) or _never
+        for logger in _flaggems_loggers(mod):
+            logger.addFilter(self.log_filter)
+            self._filtered.append(logger)
         impl, config_fn = self._make_impl(), self._make_config_fn()
         replacements = {id(self.orig_impl): impl, id(self.orig_config): config_fn}
         originals = {id(self.orig_impl): self.orig_impl, id(self.orig_config): self.orig_config}
@@ -258,6 +357,9 @@ class Hook:
         for module, attr, value in reversed(self._patched):
             setattr(module, attr, value)
         self._patched.clear()
+        for logger in self._filtered:
+            logger.removeFilter(self.log_filter)
+        self._filtered.clear()
 
     # -- the wrapped functions ------------------------------------------------------------
 
@@ -326,23 +428,75 @@ class Hook:
             return self.orig_impl(*args, **kwargs)
         layer.calls += 1
         if self.monitor_every:
-            if layer.pending:
-                self._poll_monitor(layer)
-            if layer.calls % self.monitor_every == 0:
-                layer.pending.append(self.clock.start_copy(ids))
-                c["monitor_copies"] += 1
+            copy = layer.calls % self.monitor_every == 0
+            if (copy or layer.pending) and self._capturing():
+                # no event query, record or copy while the stream captures a graph
+                c["capture_deferred"] += 1
+            else:
+                if layer.pending:
+                    self._poll_monitor(layer)
+                if copy:
+                    layer.pending.append(self.clock.start_copy(ids))
+                    c["monitor_copies"] += 1
         rc = layer.routing_class
         decision: Decision = self.dispatcher.dispatch(shape, rc)
         if decision.config is None:
             c["fallback"] += 1
+            if self._lean_ok(hs):
+                done, out = self._lean(params, None)
+                if done:
+                    c["lean_fallback"] += 1
+                    return out
             return self.orig_impl(*args, **kwargs)
         if self._sample_every:
             key = (shape, rc)
             n = self._key_calls.get(key, 0) + 1
             self._key_calls[key] = n
             if n % self._sample_every == 0:
-                return self._sampled(key, decision, params, args, kwargs)
+                if not self._capturing():
+                    return self._sampled(key, decision, params, args, kwargs)
+                c["capture_deferred"] += 1
         return self._run(decision.config, params, args, kwargs)
+
+    def _lean_ok(self, hs: Any) -> bool:
+        """Whether this call may run through the lean layer (see the module docstring)."""
+        return (
+            self.lean
+            and getattr(hs, "is_cuda", False) is True
+            and int(hs.shape[0]) <= self.lean_max_tokens
+        )
+
+    def _lean(self, params: dict[str, Any], config: KernelConfig | None) -> tuple[bool, Any]:
+        """Run the call through the lean layer: (True, output), or (False, None) when the
+        layer cannot be built or its first call fails (kept in ``lean_errors``; the caller
+        then takes FlagGems' path, and this layer is not tried again)."""
+        run = self._pipeline(params, config, lenient=True)
+        if run is None:
+            return False, None
+        try:
+            return True, self._call_runner(run, params)
+        except Exception as exc:
+            if self._capturing():  # a failed capture is the caller's to handle
+                raise
+            key = self._pipeline_key(params, config)
+            with self._lock:
+                self._pipelines.pop(key, None)
+                self.lean_errors[key] = f"{type(exc).__name__}: {exc}"[:500]
+            self.counters["lean_unavailable"] += 1
+            return False, None
+
+    def _call_runner(self, run: Runner, params: dict[str, Any]) -> Any:
+        tls = self._tls
+        tls.quiet = True
+        try:
+            return run(
+                params["hidden_states"],
+                params["topk_weights"],
+                params["topk_ids"],
+                bool(params.get("inplace", False)),
+            )
+        finally:
+            tls.quiet = False
 
     def _layer_shape(self, hs: Any, w1: Any, ids: Any, global_experts: Any) -> tuple[_Layer, Any]:
         ptr = getattr(w1, "data_ptr", None)
@@ -379,16 +533,18 @@ class Hook:
             plan = (config, fits, g1.to_triton())
             self._plans[id(config)] = plan
         _, fits, triton = plan
+        if self._lean_ok(params["hidden_states"]):
+            done, out = self._lean(params, config)
+            if done:
+                c["dispatched"] += 1
+                c["lean"] += 1
+                return out
         if not fits:
             if self.split == "pipeline":
                 c["split_pipeline"] += 1
                 run = self._pipeline(params, config)
-                return run(
-                    params["hidden_states"],
-                    params["topk_weights"],
-                    params["topk_ids"],
-                    bool(params.get("inplace", False)),
-                )
+                assert run is not None
+                return self._call_runner(run, params)
             if self.split == "fallback":
                 c["split_fallback"] += 1
                 return self.orig_impl(*args, **kwargs)
@@ -396,28 +552,51 @@ class Hook:
         c["dispatched"] += 1
         tls = self._tls
         tls.config = triton
+        tls.quiet = True
         try:
             return self.orig_impl(*args, **kwargs)
         finally:
             tls.config = None
+            tls.quiet = False
 
-    def _pipeline(self, params: dict[str, Any], config: KernelConfig) -> Runner:
+    @staticmethod
+    def _pipeline_key(params: dict[str, Any], config: KernelConfig | None) -> tuple[Any, ...]:
         w1, w2 = params["w1"], params["w2"]
         ptr1, ptr2 = getattr(w1, "data_ptr", None), getattr(w2, "data_ptr", None)
-        key = (
+        return (
             ptr1() if callable(ptr1) else id(w1),
             ptr2() if callable(ptr2) else id(w2),
-            config.hash,
+            config.hash if config is not None else "flaggems",
         )
+
+    def _pipeline(
+        self, params: dict[str, Any], config: KernelConfig | None, *, lenient: bool = False
+    ) -> Runner | None:
+        """mxdb's layer for (w1, w2, config) (None: FlagGems' choice), built once.
+
+        ``lenient``: a layer that cannot be built gives None (and is not tried again) instead
+        of raising; the caller then takes FlagGems' path.
+        """
+        w1, w2 = params["w1"], params["w2"]
+        key = self._pipeline_key(params, config)
         run = self._pipelines.get(key)
         if run is None:
+            if lenient and key in self.lean_errors:
+                return None
             with self._lock:
                 run = self._pipelines.get(key)
                 if run is None:
+                    topk = int(params["topk_ids"].shape[1])
+                    try:
+                        run = self.pipeline_factory(w1, w2, topk, config)
+                    except Exception as exc:
+                        if not lenient:
+                            raise
+                        self.lean_errors[key] = f"{type(exc).__name__}: {exc}"[:500]
+                        self.counters["lean_unavailable"] += 1
+                        return None
                     if len(self._pipelines) >= self.max_pipelines:
                         self._pipelines.pop(next(iter(self._pipelines)))
-                    topk = int(params["topk_ids"].shape[1])
-                    run = self.pipeline_factory(w1, w2, topk, config)
                     self._pipelines[key] = run
         return run
 
@@ -526,6 +705,10 @@ class Hook:
         return out
 
 
+def _never() -> bool:
+    return False
+
+
 def _default_clock() -> Any:
     try:
         import torch
@@ -548,6 +731,8 @@ def install(
     split: str = "pipeline",
     clock: Any = None,
     pipeline_factory: PipelineFactory | None = None,
+    lean: bool = True,
+    lean_max_tokens: int = 256,
 ) -> Hook:
     """Make FlagGems' fused-MoE path take its configs from mxdb; returns the installed hook.
 
@@ -555,8 +740,10 @@ def install(
     ``monitor_every``: sample each layer's top-k ids every N calls to keep its routing class
     current (0 disables).  ``healing``: time a sample of calls and switch away from degraded
     configs (None disables).  ``split``: what to do with configs FlagGems cannot express
-    (``pipeline``, ``gemm1`` or ``fallback``; see the module docstring).  Installing again
-    replaces the previous installation.
+    (``pipeline``, ``gemm1`` or ``fallback``; see the module docstring).  ``lean``: run every
+    call mxdb can run on CUDA tensors with at most ``lean_max_tokens`` tokens through mxdb's
+    lean layer (False keeps FlagGems' own path).  Installing again replaces the previous
+    installation.
     """
     global _installed
     if dispatcher is None:
@@ -570,6 +757,8 @@ def install(
         split=split,
         clock=clock,
         pipeline_factory=pipeline_factory,
+        lean=lean,
+        lean_max_tokens=lean_max_tokens,
     )
     with _install_lock:
         if _installed is not None:

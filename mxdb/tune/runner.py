@@ -141,6 +141,37 @@ def tune(
 
     # the coordinator's backend: fingerprint only when workers are separate processes
     local_backend = factory()
+    try:
+        return _tune(
+            workload, local_backend, factory, store_url, out_dir, deadline, devices, lease_s,
+            progress, bundle, t0,
+        )  # fmt: skip
+    finally:
+        # shut its compile pool down in order: a pool left to the interpreter's exit is
+        # terminated, and its workers' semaphores and processes are never cleaned up
+        close_backend(local_backend)
+
+
+def close_backend(backend: Any) -> None:
+    """Close a backend that owns processes or pools (``close()``); others need nothing."""
+    close = getattr(backend, "close", None)
+    if callable(close):
+        close()
+
+
+def _tune(
+    workload: Workload,
+    local_backend: Backend,
+    factory: BackendFactory,
+    store_url: str | None,
+    out_dir: str | os.PathLike[str],
+    deadline: float | None,
+    devices: Sequence[int] | None,
+    lease_s: float,
+    progress: bool,
+    bundle: bool,
+    t0: float,
+) -> TuneReport:
     fp = local_backend.fingerprint()
     job = job_name(workload, fp)
     points = build_points(workload)
@@ -168,7 +199,7 @@ def tune(
     total = len(points)
     measured = 0
     if devices:
-        del local_backend
+        close_backend(local_backend)
         measured = _run_processes(
             job, url, workload.search, fp.hash, factory, devices, deadline, lease_s, progress, total
         )
@@ -468,6 +499,7 @@ def _child(
     os.environ.setdefault(
         "MXDB_COMPILE_WORKERS", str(max(2, (os.cpu_count() or 2) // max(1, workers) - 1))
     )
+    backend: Backend | None = None
     try:
         backend = factory()
         with Store.open(url) as store:
@@ -484,6 +516,10 @@ def _child(
     except MxdbError as exc:
         print(f"mxdb: worker on device {device}: {exc}", file=sys.stderr)
         raise SystemExit(exc.exit_code) from None
+    finally:
+        # a worker process ends with os._exit: nothing closes its compile pool but this
+        if backend is not None:
+            close_backend(backend)
 
 
 def _run_processes(
