@@ -108,6 +108,9 @@ def test_cpu_commands_load_no_gpu_package(guarded_env: dict[str, str], tmp_path:
 def test_gpu_host_detection(guarded_env: dict[str, str]) -> None:
     """On a GPU host --offline imports nothing; without it the GPU layer is tried, lazily."""
     env = {**guarded_env, "MXDB_GPU_HOST": "1"}
+    from mxdb.store import Store
+
+    Store.open(env["MXDB_DB"]).close()  # dispatch only reads: the store must exist
     shape = ["-E", "8", "-H", "4096", "-I", "14336", "-k", "2", "-M", "4", "--json"]
     for argv in (["fingerprint", "--offline", "--json"], ["dispatch", *shape, "--offline"]):
         out = subprocess.run(
