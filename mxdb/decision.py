@@ -31,6 +31,9 @@ REASONS: dict[str, str] = {
     "tokens_out_of_range": "verified entries exist, but none within the measured token neighbourhood",
     "routing_class_far": "verified entries exist, but only for non-adjacent routing classes",
     "unknown_routing_class": "the routing class given is not one mxdb knows",
+    "neighbour_not_validated": "a verified entry is near, but its held-out validation does not "
+    "cover this token count or routing class",
+    "invalid_entry": "the matching stored entry cannot be read (an invalid config): not answered",
     "baseline_measured": "measured here (or nearest): nothing beat FlagGems' own choice beyond noise",
 }
 

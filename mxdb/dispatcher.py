@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from mxdb.decision import EXACT, NEIGHBOUR, Decision, fallback
-from mxdb.errors import UsageError
+from mxdb.errors import MxdbError, UsageError
 from mxdb.models import ADJACENT_CLASSES, ROUTING_CLASSES, Fingerprint
 from mxdb.ops import parse_config
 
@@ -41,10 +41,9 @@ if TYPE_CHECKING:
     from mxdb.store import DispatchRow, Store
 
 
-#: Confidence of each way of answering (times a token-distance factor for neighbours).
+#: Confidence of an entry recorded before held-out validation, at its own key; every other
+#: answer's confidence is a measured fraction of held-out routing instances won.
 CONFIDENCE_EXACT = 1.0
-CONFIDENCE_ADJACENT_ROUTING = 0.75
-CONFIDENCE_NEIGHBOUR_TOKENS = 0.9
 
 
 @dataclass(frozen=True)
@@ -98,6 +97,8 @@ class Dispatcher:
         self._configs: dict[tuple[str, str], Any] = {}
         self._fingerprints: dict[str, Fingerprint] | None = None
         self._match_cache: dict[str, bool] = {}
+        #: entry id -> (confidence, held-out validation record), read on misses only
+        self._validations: dict[int, tuple[float | None, list[dict[str, Any]] | None]] = {}
         #: (shape, routing class) -> decision put in front of the store's answer (self-healing);
         #: kept in the per-key cache itself, so a call with no override costs nothing more.
         self._overrides: dict[tuple[Any, Any], Decision] = {}
@@ -176,6 +177,7 @@ class Dispatcher:
             self._families = shadow._families
             self._fingerprints = shadow._fingerprints
             self._match_cache = shadow._match_cache
+            self._validations = shadow._validations
             self._generation = generation
         return True
 
@@ -184,6 +186,7 @@ class Dispatcher:
         self._families = {}
         self._fingerprints = None
         self._match_cache = {}
+        self._validations = {}
 
     def refresh(self) -> None:
         """Drop every cached decision now (the next calls re-read the store)."""
@@ -230,22 +233,26 @@ class Dispatcher:
             fam = self._family(shape.op, shape.dtype, shape.family)
             assert fam is not None
             routing_class = self._routing_class(routing)
-            span = math.log2(self.options.neighbour_ratio) or 1.0
-            near = {routing_class: CONFIDENCE_EXACT}
-            near.update((c, CONFIDENCE_ADJACENT_ROUTING) for c in ADJACENT_CLASSES[routing_class])
+            near = {routing_class, *ADJACENT_CLASSES[routing_class]}
             ranked: dict[str, tuple[float, float, int, DispatchRow]] = {}
             for r in fam.rows:
-                base = near.get(r.routing_class)
-                if base is None or r.status != "verified" or r.config_hash == first.config.hash:
+                if r.routing_class not in near or r.status != "verified":
+                    continue
+                if r.config_hash == first.config.hash:
                     continue
                 ratio = max(r.tokens, shape.tokens) / min(r.tokens, shape.tokens)
                 if ratio > self.options.neighbour_ratio or not self._fingerprint_ok(
                     r.fingerprint_hash
                 ):
                     continue
-                conf = base
-                if ratio != 1.0:
-                    conf *= CONFIDENCE_NEIGHBOUR_TOKENS * (1.0 - 0.5 * math.log2(ratio) / span)
+                same = r.routing_class == routing_class
+                if r.tokens == shape.tokens:
+                    why = "exact_match" if same else "adjacent_routing"
+                else:
+                    why = "neighbour_tokens" if same else "neighbour_tokens_adjacent_routing"
+                conf = self._support(r, shape.tokens, routing_class, why)
+                if conf is None:
+                    continue
                 cand = (round(conf, 4), r.speedup or 0.0, r.id, r)
                 old = ranked.get(r.config_hash)
                 if old is None or cand[:3] > old[:3]:
@@ -345,16 +352,15 @@ class Dispatcher:
         fam.index = index
 
     def _choose(self, fam: _Family, op: str, tokens: int, routing_class: str) -> Decision:
+        """The best supported row for (tokens, class); see ``_support`` for what supports it."""
         assert fam.index is not None
         ratio_limit = self.options.neighbour_ratio
-        span = math.log2(ratio_limit) or 1.0
-        best: tuple[float, float, int, DispatchRow, str] | None = None
+        best: tuple[float, float, float, int, DispatchRow, str] | None = None
         any_class_ok = False
-        classes = [(routing_class, CONFIDENCE_EXACT, True)]
-        classes += [
-            (c, CONFIDENCE_ADJACENT_ROUTING, False) for c in ADJACENT_CLASSES[routing_class]
-        ]
-        for cls, base, same in classes:
+        unsupported = False
+        classes = [(routing_class, True)]
+        classes += [(c, False) for c in ADJACENT_CLASSES[routing_class]]
+        for cls, same in classes:
             slot = fam.index.get(cls)
             if slot is None:
                 continue
@@ -368,23 +374,31 @@ class Dispatcher:
                 ratio = max(row.tokens, tokens) / min(row.tokens, tokens)
                 if ratio > ratio_limit:
                     continue
-                conf = base
-                if ratio != 1.0:
-                    # Confidence falls with the log-distance in tokens, to half at the edge.
-                    conf *= CONFIDENCE_NEIGHBOUR_TOKENS * (1.0 - 0.5 * math.log2(ratio) / span)
-                    reason = "neighbour_tokens" if same else "neighbour_tokens_adjacent_routing"
-                else:
+                if ratio == 1.0:
                     reason = "exact_match" if same else "adjacent_routing"
-                cand = (conf, row.speedup or 0.0, row.id, row, reason)
-                if best is None or cand[:3] > best[:3]:
+                else:
+                    reason = "neighbour_tokens" if same else "neighbour_tokens_adjacent_routing"
+                conf = self._support(row, tokens, routing_class, reason)
+                if conf is None:
+                    unsupported = True
+                    continue
+                # the nearest measurement first, then confidence, then speedup
+                cand = (-abs(math.log(ratio)), conf, row.speedup or 0.0, row.id, row, reason)
+                if best is None or cand[:4] > best[:4]:
                     best = cand
         if best is None:
+            if unsupported:
+                return fallback("neighbour_not_validated")
             return fallback("tokens_out_of_range" if any_class_ok else "routing_class_far")
-        confidence, _, _, row, reason = best
+        _, confidence, _, _, row, reason = best
         if row.status == "baseline":
             # the nearest measurement found FlagGems' own choice best: answer with it
             return fallback("baseline_measured")
-        config = self._config(op, row)
+        try:
+            config = self._config(op, row)
+        except (MxdbError, ValueError, TypeError, KeyError, AttributeError):
+            # a stored row that does not parse is never answered, and never raises
+            return fallback("invalid_entry")
         return Decision(
             config=config,
             level=EXACT if reason == "exact_match" else NEIGHBOUR,
@@ -394,6 +408,52 @@ class Dispatcher:
             tokens=row.tokens,
             routing_class=row.routing_class,
         )
+
+    def _support(
+        self, row: DispatchRow, tokens: int, routing_class: str, reason: str
+    ) -> float | None:
+        """The confidence with which ``row`` answers (tokens, class), or None if unsupported.
+
+        The row's own key answers with its measured confidence (the fraction of held-out
+        routing instances it won; entries recorded before held-out validation: 1.0).  A
+        neighbouring token count or an adjacent routing class is answered only where the
+        entry's held-out validation supports it: a won instance of that class at a token
+        count on the far side of the call's (the call lies between the entry's key and the
+        instance), and then with the fraction won among the class's instances on that side.
+        A baseline record answers its neighbourhood without validation: it only ever sends
+        the call to FlagGems' own choice.
+        """
+        if row.status == "baseline" or self.store is None:
+            return CONFIDENCE_EXACT
+        confidence, record = self._validation(row.id)
+        if reason == "exact_match":
+            return confidence if confidence is not None else CONFIDENCE_EXACT
+        if not record:
+            return None
+        lo, hi = sorted((row.tokens, tokens))
+        side = [
+            v
+            for v in record
+            if v.get("routing_class") == routing_class
+            and isinstance(v.get("tokens"), int)
+            and (v["tokens"] - row.tokens) * (tokens - row.tokens) >= 0
+        ]
+        covering = [v for v in side if v.get("won") and min(v["tokens"], row.tokens) <= lo
+                    and max(v["tokens"], row.tokens) >= hi]  # fmt: skip
+        if not covering:
+            return None
+        return sum(1 for v in side if v.get("won")) / len(side)
+
+    def _validation(self, row_id: int) -> tuple[float | None, list[dict[str, Any]] | None]:
+        cached = self._validations.get(row_id)
+        if cached is None:
+            assert self.store is not None
+            try:
+                cached = self.store.entry_validation(row_id)
+            except MxdbError:
+                cached = (None, None)
+            self._validations[row_id] = cached
+        return cached
 
     def _config(self, op: str, row: DispatchRow) -> Any:
         """The parsed config of ``row``; a config hash names one config, so parses are shared."""

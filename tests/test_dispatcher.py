@@ -51,6 +51,8 @@ def entry(
     fingerprint: Fingerprint | None = H200,
     speedup: float = 1.08,
     source: str = "tune",
+    validation: list[dict[str, object]] | None = None,
+    confidence: float | None = None,
 ) -> Entry:
     return Entry(
         op=shape.op,
@@ -67,7 +69,15 @@ def entry(
         source=source,
         speedup=speedup,
         noise_band=0.01,  # type: ignore[arg-type]
+        validation=validation,
+        confidence=confidence,
     )
+
+
+def won(tokens: int, routing_class: str = "uniform", ok: bool = True) -> dict[str, object]:
+    """One held-out comparison of an entry's validation record."""
+    return {"comparison": f"tokens-{tokens}", "tokens": tokens, "routing_class": routing_class,
+            "outcome": "faster" if ok else "same", "won": ok}  # fmt: skip
 
 
 @pytest.fixture()
@@ -108,24 +118,53 @@ def test_different_gemm_configs_survive_the_store(store: Store) -> None:
     assert d.config == CFG_B and d.config.gemm1 != d.config.gemm2 and d.config.align_block == 32
 
 
-def test_neighbour_tokens_and_its_limit(store: Store) -> None:
-    store.add_entries([entry()])
+def test_neighbour_tokens_need_held_out_support(store: Store) -> None:
+    """A neighbouring token count is answered only between the entry's key and a won
+    held-out instance at that side; elsewhere the fallback says why."""
+    held = [won(4), won(4), won(4)]
+    store.add_entries([entry(validation=[*held, won(6), won(3, ok=False)], confidence=1.0)])
     disp = Dispatcher(store, H200)
     near = disp.dispatch(SHAPE.with_tokens(6), "uniform")
-    assert (near.level, near.reason) == ("neighbour", "neighbour_tokens")
-    assert 0.5 < near.confidence < 1.0
-    edge = disp.dispatch(SHAPE.with_tokens(8), "uniform")
-    assert edge.level == "neighbour" and edge.confidence < near.confidence
+    assert (near.level, near.reason, near.config) == ("neighbour", "neighbour_tokens", CFG_A)
+    assert near.confidence == 1.0  # 4 of 4 instances won on that side (M=4 and M=6)
+    assert disp.dispatch(SHAPE.with_tokens(5), "uniform").reason == "neighbour_tokens"
+    # beyond the validated instance, or on the side where the instance was lost: FlagGems
+    assert disp.dispatch(SHAPE.with_tokens(8), "uniform").reason == "neighbour_not_validated"
+    assert disp.dispatch(SHAPE.with_tokens(3), "uniform").reason == "neighbour_not_validated"
     far = disp.dispatch(SHAPE.with_tokens(9), "uniform")
     assert (far.level, far.reason, far.config) == ("fallback", "tokens_out_of_range", None)
+
+
+def test_entries_without_held_out_validation_answer_their_own_key_only(store: Store) -> None:
+    store.add_entries([entry()])
+    disp = Dispatcher(store, H200)
+    assert disp.dispatch(SHAPE, "uniform").reason == "exact_match"
+    assert disp.dispatch(SHAPE.with_tokens(6), "uniform").reason == "neighbour_not_validated"
+    assert disp.dispatch(SHAPE, "skewed").reason == "neighbour_not_validated"
+
+
+def test_confidence_is_the_fraction_of_held_out_instances_won(store: Store) -> None:
+    store.add_entries([entry(validation=[won(4), won(4), won(4)], confidence=0.75)])
+    d = Dispatcher(store, H200).dispatch(SHAPE, "uniform")
+    assert (d.reason, d.confidence) == ("exact_match", 0.75)
+
+
+def test_invalid_stored_rows_fall_back_instead_of_raising(store: Store, db_path: Path) -> None:
+    import sqlite3
+
+    [eid] = store.add_entries([entry()])
+    with sqlite3.connect(db_path) as conn:  # a row edited behind mxdb's back
+        conn.execute("UPDATE entries SET config = ? WHERE id = ?", ('{"gemm1": 3}', eid))
+    d = Dispatcher(store, H200).dispatch(SHAPE, "uniform")
+    assert (d.level, d.reason, d.config) == ("fallback", "invalid_entry", None)
 
 
 def test_nearest_and_best_entry_wins(store: Store) -> None:
     store.add_entries(
         [
             entry(SHAPE.with_tokens(16), CFG_A),
-            entry(SHAPE.with_tokens(4), CFG_B, speedup=1.02),
-            entry(SHAPE.with_tokens(4), CFG_A, speedup=1.09, source="tune2"),
+            entry(SHAPE.with_tokens(4), CFG_B, speedup=1.02, validation=[won(6)]),
+            entry(SHAPE.with_tokens(4), CFG_A, speedup=1.09, source="tune2", validation=[won(6)]),
         ]
     )
     disp = Dispatcher(store, H200)
@@ -134,10 +173,11 @@ def test_nearest_and_best_entry_wins(store: Store) -> None:
 
 
 def test_routing_classes_same_adjacent_far(store: Store) -> None:
-    store.add_entries([entry(routing_class="uniform")])
+    # an adjacent class is answered where held-out instances of that class were won
+    store.add_entries([entry(routing_class="uniform", validation=[won(4), won(4, "skewed")])])
     disp = Dispatcher(store, H200)
     adj = disp.dispatch(SHAPE, "skewed")
-    assert (adj.level, adj.reason) == ("neighbour", "adjacent_routing") and adj.confidence == 0.75
+    assert (adj.level, adj.reason) == ("neighbour", "adjacent_routing") and adj.confidence == 1.0
     assert disp.dispatch(SHAPE, "hot").reason == "routing_class_far"
     assert disp.dispatch(SHAPE, "zipfy").reason == "unknown_routing_class"
     store.add_entries([entry(routing_class="hot", config=CFG_B)])
@@ -237,7 +277,7 @@ def test_sees_entries_written_by_another_process(store: Store, db_path: Path) ->
 
 
 def test_threads_dispatch_while_the_store_changes(store: Store) -> None:
-    store.add_entries([entry()])
+    store.add_entries([entry(validation=[won(6)])])
     disp = Dispatcher(store, H200, DispatchOptions(refresh_interval=0.001))
     errors: list[BaseException] = []
     seen: set[str] = set()
@@ -255,7 +295,7 @@ def test_threads_dispatch_while_the_store_changes(store: Store) -> None:
     for t in threads:
         t.start()
     for m in (5, 6):
-        store.add_entries([entry(SHAPE.with_tokens(m), CFG_B)])
+        store.add_entries([entry(SHAPE.with_tokens(m), CFG_B, validation=[won(m + 2)])])
     for t in threads:
         t.join()
     assert not errors
@@ -307,7 +347,7 @@ def test_baseline_records_answer_with_flaggems_choice(store: Store) -> None:
     )
     store.add_entries(
         [
-            entry(SHAPE.with_tokens(16), CFG_A),  # verified at M=16
+            entry(SHAPE.with_tokens(16), CFG_A, validation=[won(12)]),  # verified at M=16
             entry(SHAPE.with_tokens(8), base_cfg, status="baseline", speedup=1.0),
             # both at M=32 (two traces of one class disagree): the baseline record wins
             entry(SHAPE.with_tokens(32), base_cfg, status="baseline", speedup=1.0),

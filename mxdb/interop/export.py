@@ -10,6 +10,7 @@ used for both GEMMs: the rows of one fingerprint, dense and measured, by the rul
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from mxdb import __version__
-from mxdb.errors import InvalidInputError, UsageError
+from mxdb.errors import InvalidInputError, MxdbError, UsageError
 from mxdb.fileio import atomic_write_json, atomic_write_text
 from mxdb.interop import flaggems, tables, vllm
 from mxdb.models import Entry, Fingerprint, utcnow
@@ -136,13 +137,52 @@ def read_export(path: str | Path) -> StoreExport:
             raise InvalidInputError(
                 f"{p}: fingerprint key {h} does not match its components' hash {fp.hash}"
             )
-    for e in doc.entries:
+    for i, e in enumerate(doc.entries):
         if e.fingerprint_hash and e.fingerprint_hash not in doc.fingerprints:
             raise InvalidInputError(
                 f"{p}: entry for {e.family} M={e.tokens} names fingerprint "
                 f"{e.fingerprint_hash}, which the export does not hold"
             )
+        problem = entry_problem(e)
+        if problem is not None:
+            raise InvalidInputError(
+                f"{p}: entries[{i}] ({e.op} {e.family} M={e.tokens} {e.routing_class}, "
+                f"{e.status}) is rejected: {problem}; nothing was imported (fix or drop the entry)"
+            )
     return doc
+
+
+def entry_problem(e: Entry) -> str | None:
+    """Why a stored or imported entry is unusable (the dispatcher could not answer with it),
+    or None: its config parses under its op's rules, its config_hash is the hash of its
+    config, its dimensions name its family and token count, and its figures are finite."""
+    from mxdb.configs import config_hash
+    from mxdb.ops import parse_config
+
+    try:
+        parsed = parse_config(e.op, e.config)
+    except (MxdbError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        return f"its config is not a valid {e.op} config ({exc})"
+    want = getattr(parsed, "hash", None) or config_hash(e.config)
+    if e.config_hash not in (want, config_hash(e.config)):
+        return f"config_hash {e.config_hash} is not the hash of its config ({want})"
+    if e.dims.get("tokens", e.tokens) != e.tokens:
+        return f"dims say tokens={e.dims.get('tokens')} but the entry says {e.tokens}"
+    if e.op == "fused_moe":
+        d = e.dims
+        try:
+            fam = f"E{d['experts']}-H{d['hidden']}-I{d['intermediate']}-k{d['topk']}"
+        except KeyError as exc:
+            return f"dims lack {exc} (experts, hidden, intermediate, topk and tokens)"
+        if fam != e.family:
+            return f"family {e.family} is not that of its dims ({fam})"
+    for name in ("speedup", "noise_band", "median_us", "baseline_us"):
+        v = getattr(e, name)
+        if v is not None and not (math.isfinite(v) and v >= 0):
+            return f"{name} {v} is not a finite non-negative number"
+    if e.status == "verified" and e.speedup is not None and e.speedup <= 0:
+        return f"a verified entry needs a positive speedup, found {e.speedup}"
+    return None
 
 
 def import_export(store: Store, path: str | Path) -> dict[str, int]:

@@ -562,6 +562,28 @@ class Store:
         rows = self._fetch_raw("reading a family", self._family_sql, (op, dtype, family))
         return list(map(DispatchRow._make, rows))
 
+    def entry_validation(self, id: int) -> tuple[float | None, list[dict[str, Any]] | None]:
+        """Entry ``id``'s confidence and held-out validation record (None, None if absent).
+
+        Read by the dispatcher only when it considers answering a neighbouring key from the
+        entry, never on the hot path.  A record that is not valid JSON reads as absent.
+        """
+        rows = self._fetch_raw(
+            "reading an entry's validation",
+            self._config_sql.replace("SELECT config", "SELECT confidence, validation"),
+            (id,),
+        )
+        if not rows:
+            return None, None
+        confidence, text = rows[0]
+        try:
+            record = json.loads(text) if text else None
+        except ValueError:
+            record = None
+        if not isinstance(record, list):
+            record = None
+        return (float(confidence) if confidence is not None else None), record
+
     def entry_config(self, id: int) -> str:
         """The config JSON text of entry ``id`` (NotFoundError if there is none)."""
         rows = self._fetch_raw("reading an entry's config", self._config_sql, (id,))
