@@ -45,6 +45,17 @@ from mxdb.fileio import atomic_write_text
 FAMILIES = {"mixtral-8x7b": "E=8,N=14336", "qwen3-30b-a3b": "E=128,N=768"}
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 ROUTINGS = {"uniform": {}, "zipf": {"s": 1.2}, "hot": {"fraction": 0.5, "hot_expert": 0}}
+#: Held-out routing (``--heldout``): the same three kinds from a generator the tuner never
+#: uses (``mxdb.routing_gen`` kind ``logits``: top-k of random router logits with a bias).
+HELDOUT = {"uniform": {}, "zipf": {"s": 1.2}, "hot": {"hot_bias": 1.5, "hot_expert": 0}}
+
+
+def heldout_seed(preset: str, tokens: int, kind: str) -> int:
+    """A seed of the held-out instance of one point, unrelated to the workload's seeds."""
+    import hashlib
+
+    text = f"peers-heldout|{preset}|{tokens}|{kind}"
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big")
 
 
 def atomic_json(path: Path, doc: Any) -> None:
@@ -164,8 +175,15 @@ def run(a: argparse.Namespace) -> None:
     }
     doc["bandwidth_bytes_per_s"] = bandwidth(torch)
     dispatcher = None
-    traces = workload_traces(a.workload) if a.workload else None
-    doc["trace_source"] = f"workload {a.workload}" if a.workload else "generated, seed = M"
+    traces = workload_traces(a.workload) if a.workload and not a.heldout else None
+    doc["trace_source"] = f"workload {a.workload}" if traces else "generated, seed = M"
+    if a.heldout:
+        doc["trace_source"] = (
+            "held-out: mxdb.routing_gen kind logits (top-k of N(0,1) router logits plus a "
+            "Zipf(1.2) bias for zipf, +1.5 on expert 0 for hot), seeds from "
+            "benchmarks/peers.py heldout_seed; the tuner never draws from this generator"
+        )
+        doc["rule"] = "verdict"
     if a.store_export and Path(a.store_export).exists():
         exp = read_export(a.store_export)
         tmp = tempfile.mkdtemp()
@@ -195,7 +213,10 @@ def run(a: argparse.Namespace) -> None:
         for m in TOKENS:
             shape = fam.with_tokens(m)
             for kind, params in ROUTINGS.items():
-                if traces is not None:
+                if a.heldout:
+                    seed = heldout_seed(preset, m, kind)
+                    ids = generate("logits", m, fam.experts, fam.topk, seed=seed, **HELDOUT[kind])
+                elif traces is not None:
                     ids, seed = traces[(preset, m, kind)]
                 else:
                     ids, seed = generate(kind, m, fam.experts, fam.topk, seed=m, **params), m
@@ -244,9 +265,11 @@ def run(a: argparse.Namespace) -> None:
                 if "d" in cfgs and cfgs["d"].hash == cfgs["c"].hash:
                     names.remove("d")
                 pipes = {n: MoEPipeline(shape, cfgs[n], w1, w2) for n in names}
+                # same-config copies: of (a) under the verdict rule (its noise band), else of (c)
+                copy = "a" if a.heldout else "c"
                 if "c" in cfgs:
-                    pipes["ctl1"] = MoEPipeline(shape, cfgs["c"], w1, w2)
-                    pipes["ctl2"] = MoEPipeline(shape, cfgs["c"], w1, w2)
+                    pipes["ctl1"] = MoEPipeline(shape, cfgs[copy], w1, w2)
+                    pipes["ctl2"] = MoEPipeline(shape, cfgs[copy], w1, w2)
                 corr = {}
                 for n, p in pipes.items():
                     r = compare(p(x, tw, ids).clone(), ref, "bf16")
@@ -257,6 +280,7 @@ def run(a: argparse.Namespace) -> None:
                 g = time_interleaved(
                     [lambda p=pipes[n]: p(x, tw, ids) for n in order],
                     reps=reps, method="graph", calls_per_sample=cps, warmup=2,
+                    order_seed=info["seed"] if a.heldout else None,
                 )  # fmt: skip
                 graph = dict(zip(order, g, strict=True))
                 eager: dict[str, list[float]] = {}
@@ -278,7 +302,8 @@ def run(a: argparse.Namespace) -> None:
                         "family": preset,
                         "tokens": m,
                         "routing": kind,
-                        "routing_params": ROUTINGS[kind],
+                        "routing_params": HELDOUT[kind] if a.heldout else ROUTINGS[kind],
+                        "generator": "logits" if a.heldout else kind,
                         "seed": info["seed"],
                         "routing_class": info["rclass"],
                         "ids": ids_np.tolist(),
@@ -329,7 +354,8 @@ def publish(raw_path: Path, bundle: Path) -> None:
     tmp = bundle.with_name(bundle.name + ".new")
     if tmp.exists():
         shutil.rmtree(tmp)
-    w = BundleWriter(tmp, milestone="h200-peers", fingerprint=fp, bundle_id=bundle.name)
+    milestone = bundle.name
+    w = BundleWriter(tmp, milestone=milestone, fingerprint=fp, bundle_id=bundle.name)
     points: list[dict[str, Any]] = []
     active: dict[str, int] = {}
     hot: dict[str, float] = {}
@@ -338,12 +364,17 @@ def publish(raw_path: Path, bundle: Path) -> None:
         th = w.add_trace(
             p["ids"],
             experts=shape.experts,
-            generator={"kind": p["routing"], "seed": p["seed"], "params": p["routing_params"]},
+            generator={
+                "kind": p.get("generator", p["routing"]),
+                "seed": p["seed"],
+                "params": p["routing_params"],
+            },
         )
         active[th], hot[th] = trace_figures(p["ids"])
         base = f"{SHORT[p['family']]}-m{p['tokens']}-{p['routing']}"
+        copy = "a" if raw.get("rule") == "verdict" else "c"
         for n, samples in p["graph_us"].items():
-            key = "c" if n.startswith("ctl") else n
+            key = copy if n.startswith("ctl") else n
             err, rel, ok = p["correctness"][n]
             role = "control" if n.startswith("ctl") else ROLE[n]
             w.record(
@@ -379,18 +410,20 @@ def publish(raw_path: Path, bundle: Path) -> None:
         points,
         runs,
         active,
-        milestone="h200-peers",
+        milestone=milestone,
         fingerprint_hash=fp.hash,
         bandwidth_bytes_per_s=raw["bandwidth_bytes_per_s"],
         dispatch_cost=raw.get("dispatch_cost") or {},
         errors=raw.get("errors", []),
         hot_shares=hot,
+        rule=raw.get("rule"),
+        routing_source=raw.get("trace_source") if raw.get("rule") else None,
     )
     doc = PeersDoc.model_validate(doc).to_json_dict()
     atomic_write(tmp / PEERS_FILE, dumps(doc))
     atomic_write_text(tmp / "report" / "peers.md", render(doc))
     plots(doc, tmp / "report")
-    write_manifest(tmp, bundle_id=w.bundle_id, milestone="h200-peers")
+    write_manifest(tmp, bundle_id=w.bundle_id, milestone=milestone)
     if bundle.exists():
         shutil.rmtree(bundle)
     tmp.rename(bundle)
@@ -478,6 +511,12 @@ def main() -> None:
         "examples/workloads/h200-peers.yaml), so (c) dispatches with the tuned routing class",
     )
     r.add_argument("--deadline-s", type=float, default=300.0)
+    r.add_argument(
+        "--heldout",
+        action="store_true",
+        help="time each point on a held-out routing instance (generator kind logits) with "
+        "copies of FlagGems' choice and a random order per round; judged by mxdb.verdict",
+    )
     p = sub.add_parser("publish")
     p.add_argument("raw", type=Path)
     p.add_argument("bundle", type=Path)

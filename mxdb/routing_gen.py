@@ -24,6 +24,7 @@ KINDS: dict[str, dict[str, Any]] = {
     "zipf": {"s": 1.2},
     "hot": {"fraction": 0.5, "hot_expert": 0},
     "sparse": {"active": 0.25},
+    "logits": {"s": 0.0, "hot_bias": 0.0, "hot_expert": 0, "scale": 1.0},
 }
 
 
@@ -69,6 +70,11 @@ def generate(
       are uniform over the remaining experts.
     - ``sparse`` (``active``, default 0.25): only ``max(topk, round(active *
       experts))`` experts, chosen at random, receive tokens, uniformly.
+    - ``logits`` (``s``, ``hot_bias``, ``hot_expert``, ``scale``): a router's view: each token
+      has logits ``scale * N(0, 1) + bias`` and takes its ``topk`` largest (the top-k of their
+      softmax).  The bias is a Zipf popularity ``-s * log(rank + 1)`` over a seeded random
+      ranking of the experts, plus ``hot_bias`` on ``hot_expert``.  A generator of its own,
+      so its instances are held out from workloads tuned on the other kinds.
     """
     if kind not in KINDS:
         raise UsageError(f"unknown routing kind {kind!r}; known kinds: {', '.join(KINDS)}")
@@ -114,6 +120,21 @@ def generate(
         out[with_hot, 1:] = picks[with_hot, : k - 1]
         out[with_hot, 0] = hot
         return out
+
+    if kind == "logits":
+        zs = _check_real("s", opts["s"], 0.0, 100.0, open_low=False)
+        hb = _check_real("hot_bias", opts["hot_bias"], 0.0, 100.0, open_low=False)
+        scale = _check_real("scale", opts["scale"], 0.0, 100.0, open_low=True)
+        hot = opts["hot_expert"]
+        if isinstance(hot, bool) or not isinstance(hot, numbers.Integral) or not 0 <= hot < e:
+            raise UsageError(f"hot_expert must be an expert id in [0, {e}), got {hot!r}")
+        rank = rng.permutation(e)
+        bias = -zs * np.log(rank.astype(np.float64) + 1.0)
+        bias[int(hot)] += hb
+        logits = scale * rng.standard_normal((m, e)) + bias
+        idx = np.argpartition(-logits, k - 1, axis=1)[:, :k]
+        order = np.argsort(-np.take_along_axis(logits, idx, axis=1), axis=1, kind="stable")
+        return np.take_along_axis(idx, order, axis=1).astype(np.int64)
 
     # sparse
     active = _check_real("active", opts["active"], 0.0, 1.0, open_low=True)

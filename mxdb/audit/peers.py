@@ -333,6 +333,8 @@ def check_peers(
         dispatch_cost=doc["dispatch_cost"],
         errors=doc["errors"],
         hot_shares=hot,
+        rule=doc.get("rule"),
+        routing_source=doc.get("routing_source"),
     )
     if doc["decode_max_tokens"] != DECODE_MAX_TOKENS:
         sink.add(

@@ -26,6 +26,14 @@ samples):
   ``decode_max_tokens``), counts of points with a flag set;
 - each target: its figure (``measured``), a fixed threshold and comparison, and ``passed``.
 
+Documents of schema 1.1 may say ``rule: "verdict"``: then the control pair ``ctl1``, ``ctl2``
+holds copies of (a), every arm was timed in rounds of randomized order (sample ``r`` of each
+run is round ``r``), and "slower" / "faster" are the one verdict rule's outcomes
+(:func:`mxdb.verdict.compare`, margin 0): (c) against (a)'s three copies; (c) against (b), and
+(d) against (c), with the noise band of (a)'s copies; ``noise_band`` is that band.  Their
+``routing_source`` says where the points' routing came from (held-out instances of a
+generator the tuner never used).
+
 Documents with ``explanations`` (written since the layout that explains missed targets; the
 auditor recognises the layout by that field) also carry, per point:
 
@@ -48,18 +56,20 @@ auditor from the same rows.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from mxdb import verdict
 from mxdb.evidence import stats
 from mxdb.evidence.models import _FROZEN, _Doc
 from mxdb.shapes import DTYPE_BYTES
 
 PEERS_FILE = "peers.json"
 SCHEMA = "mxdb.peers"
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"
 DECODE_MAX_TOKENS = 16
 #: A skewed point is "far from the floor" when the fastest config's floor fraction under uniform
 #: routing (same family and M) is more than this many times its floor fraction there.
@@ -398,10 +408,10 @@ class PeerFigures(_Doc):
 class PeersDoc(_Doc):
     """``peers.json``: FlagGems, vLLM's table and mxdb's dispatch side by side."""
 
-    model_config = _optional("explanations")
+    model_config = _optional("explanations", "rule", "routing_source")
 
     schema_name: Literal["mxdb.peers"] = Field(default="mxdb.peers", alias="schema")
-    schema_version: Literal["1.0"] = "1.0"
+    schema_version: Literal["1.0", "1.1"] = "1.1"
     milestone: str
     fingerprint_hash: str
     bandwidth_bytes_per_s: float = Field(
@@ -418,6 +428,14 @@ class PeersDoc(_Doc):
     errors: list[str]
     explanations: Explanations | None = Field(
         default=None, description="what bounds or explains each target's figure"
+    )
+    rule: Literal["verdict"] | None = Field(
+        default=None,
+        description="verdict: slower/faster by mxdb.verdict on paired rounds, ctl1/ctl2 copies "
+        "of (a) (schema 1.1); absent: the control pair's median band",
+    )
+    routing_source: str | None = Field(
+        default=None, description="where the points' routing instances came from"
     )
 
 
@@ -447,6 +465,7 @@ def point_figures(
     bandwidth_bytes_per_s: float,
     hot_share: float | None = None,
     dispatch: Mapping[str, str | None] | None = None,
+    rule: str | None = None,
 ) -> dict[str, Any]:
     """The figures of one point from its runs' raw samples (``KeyError`` on a missing run).
 
@@ -473,6 +492,22 @@ def point_figures(
     a, b, c = med["a"], med["b"], med["c"]
     d = med.get("d", c)
     tol = 1.0 + noise
+    judged: dict[str, bool] = {}
+    if rule == "verdict":
+        raw = {lab: _samples(runs[str(rid)]) or [] for lab, rid in labels.items() if rid}
+        copies = [raw["a"], raw["ctl1"], raw["ctl2"]]
+        band = verdict.noise_band(copies)
+        noise = band if band is not None else math.inf
+        over_a = verdict.compare(copies, raw["c"])
+        over_b = verdict.compare([raw["b"]], raw["c"], band=noise)
+        d_over_c = verdict.compare([raw["c"]], raw.get("d") or raw["c"], band=noise)
+        judged = {
+            "c_slower_than_a": over_a.slower,
+            "c_slower_than_b": over_b.slower,
+            "c_faster_than_a": over_a.faster,
+            "c_faster_than_b": over_b.faster,
+            "d_faster_than_c": "d" in raw and d_over_c.faster,
+        }
     out: dict[str, Any] = {
         "active_experts": active_experts,
         "median_us": med,
@@ -486,8 +521,8 @@ def point_figures(
         "floor_fraction_a": floor / a,
         "floor_fraction_b": floor / b,
         "floor_fraction_c": floor / c,
-        "c_slower_than_a": c > a * tol,
-        "c_slower_than_b": c > b * tol,
+        "c_slower_than_a": judged.get("c_slower_than_a", c > a * tol),
+        "c_slower_than_b": judged.get("c_slower_than_b", c > b * tol),
         "eager_median_us": emed,
         "eager_speedup_layer_over_fused_experts_impl": emed["a"] / emed["c"]
         if len(emed) == 2
@@ -512,9 +547,9 @@ def point_figures(
             "floor_bound_over_a": a / floor,
             "c_config_is_a": config_hash("c") == config_hash("a"),
             "c_config_is_b": config_hash("c") == config_hash("b"),
-            "c_faster_than_a": a > c * tol,
-            "c_faster_than_b": b > c * tol,
-            "d_faster_than_c": c > d * tol,
+            "c_faster_than_a": judged.get("c_faster_than_a", a > c * tol),
+            "c_faster_than_b": judged.get("c_faster_than_b", b > c * tol),
+            "d_faster_than_c": judged.get("d_faster_than_c", c > d * tol),
             "uniform_floor_fraction_best": None,
             "skew_cost": None,
         }
@@ -634,6 +669,8 @@ def build_peers(
     dispatch_cost: Mapping[str, Mapping[str, float]] | None = None,
     errors: Sequence[str] = (),
     hot_shares: Mapping[str, float] | None = None,
+    rule: str | None = None,
+    routing_source: str | None = None,
 ) -> dict[str, Any]:
     """The ``peers.json`` document: ``points`` give identity and run ids, the rest is computed.
 
@@ -653,6 +690,7 @@ def build_peers(
             bandwidth_bytes_per_s=bandwidth_bytes_per_s,
             hot_share=None if hot_shares is None else hot_shares[p["trace_hash"]],
             dispatch={"c": p.get("dispatch_reason_c"), "d": p.get("dispatch_reason_d")},
+            rule=rule,
         )
         ident = {k: p[k] for k in ("family", "tokens", "routing", "routing_class", "trace_hash")}
         rows.append({**ident, "runs": labels, **fig})
@@ -661,7 +699,7 @@ def build_peers(
     figures = aggregate(rows, decode_max_tokens)
     doc: dict[str, Any] = {
         "schema": SCHEMA,
-        "schema_version": SCHEMA_VERSION,
+        "schema_version": SCHEMA_VERSION if rule else "1.0",
         "milestone": milestone,
         "fingerprint_hash": fingerprint_hash,
         "bandwidth_bytes_per_s": bandwidth_bytes_per_s,
@@ -674,6 +712,9 @@ def build_peers(
     }
     if hot_shares is not None:
         doc["explanations"] = explain(rows, decode_max_tokens)
+    if rule is not None:
+        doc["rule"] = rule
+        doc["routing_source"] = routing_source
     return doc
 
 
