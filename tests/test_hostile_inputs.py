@@ -509,3 +509,29 @@ def _entry(
         speedup=1.05,
         noise_band=0.01,
     )
+
+
+def test_background_refresh_keeps_unchanged_families_and_updates_changed_ones(db: str) -> None:
+    from mxdb import Dispatcher, DispatchOptions
+    from mxdb.configs import GemmConfig, KernelConfig
+    from mxdb.shapes import MoEShape
+
+    with Store.open(db) as s:
+        s.add_entries([_entry()])
+    store = Store.open(db)
+    disp = Dispatcher(store, FP, DispatchOptions(refresh_interval=3600))  # refreshed by hand
+    a = MoEShape(8, 4096, 14336, 2, 4, "bf16")
+    b = MoEShape(16, 1024, 512, 2, 4, "bf16")
+    first_a, first_b = disp.dispatch(a, "uniform"), disp.dispatch(b, "uniform")
+    assert first_a.reason == "exact_match" and first_b.reason == "no_entry"
+    cfg = KernelConfig.uniform(GemmConfig(block_m=32, block_n=64, block_k=64))
+    other = _entry(config=cfg)
+    other = other.model_copy(update={"family": b.family, "dims": b.dims()})
+    with Store.open(db) as s:
+        s.add_entries([other])
+    assert disp.refresh_now() is True
+    assert disp.dispatch(a, "uniform") is first_a  # unchanged family: the same decision
+    assert disp.dispatch(b, "uniform").config == cfg
+    assert disp.refresh_now() is False  # nothing new
+    disp.close()
+    store.close()
