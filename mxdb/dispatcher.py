@@ -494,8 +494,10 @@ def _refresh_loop(
 
 
 def _restart_after_fork() -> None:
+    """A forked child has no refresher threads: start fresh ones (with fresh events)."""
     for d in list(_live):
         if d._thread is not None and not d._stop.is_set():
+            d._stop = threading.Event()
             d._start_refresher()
 
 

@@ -535,3 +535,19 @@ def test_background_refresh_keeps_unchanged_families_and_updates_changed_ones(db
     assert disp.refresh_now() is False  # nothing new
     disp.close()
     store.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_keeps_refreshing(db: str) -> None:
+    from mxdb import Dispatcher, DispatchOptions
+
+    store = Store.open(db)
+    disp = Dispatcher(store, FP, DispatchOptions(refresh_interval=0.01))
+    pid = os.fork()
+    if pid == 0:  # the child: its refresher must be alive
+        code = 0 if disp._thread is not None and disp._thread.is_alive() else 3
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    disp.close()
+    store.close()
+    assert os.waitstatus_to_exitcode(status) == 0
