@@ -225,7 +225,7 @@ def test_bad_out_paths(tmp_path: Path, db: str, bundle: Path) -> None:
     res = run(
         "tune", str(wl), "--backend", "fake", "--no-progress", "--db", db, "--out", str(afile)
     )
-    assert_clean(res, 2, "cannot write")
+    assert_clean(res, 2, "choose another --out")
     assert_clean(run("report", str(bundle), "--out", str(afile / "r"), "--no-plots"), 2)
     assert_clean(run("keygen", "--out", str(afile / "k.pem")), 2)
 

@@ -64,8 +64,8 @@ def _classify(exc: BaseException) -> tuple[str, str, int]:
     if isinstance(exc, OSError):
         from mxdb.fileio import output_error
 
-        path = Path(exc.filename) if exc.filename else Path("output")
-        err: OutputError = output_error(path, exc)
+        path = Path(exc.filename) if exc.filename else Path("a file")
+        err: OutputError = output_error(path, exc, verb="use")
         return type(err).__name__, str(err), err.exit_code
     if isinstance(exc, MemoryError):
         return "MemoryError", "out of memory; pass a smaller input", EXIT_FAILURE
