@@ -299,6 +299,8 @@ def test_mistyped_db_creates_nothing(tmp_path: Path) -> None:
     assert_clean(
         run("export", "--format", "mxdb", "--out", str(tmp_path / "e.json"), "--db", url), 1
     )
+    assert_clean(run("drift", "check", "--db", url, "--dry-run"), 1, "no store")
+    assert_clean(run("drift", "guard", "--db", url, "--backend", "fake"), 1, "no store")
     assert not (tmp_path / "typo").exists()
 
 

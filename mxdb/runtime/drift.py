@@ -293,7 +293,7 @@ def run_check(
     from mxdb.store import Store
 
     current = load_fingerprint(fingerprint_file) if fingerprint_file else current_fingerprint()
-    with Store.open(db) as store:
+    with Store.open(db, create=False) as store:  # nothing to check in a store that is not there
         return check(store, current, policy=policy, mark=mark, workload_out=workload_out)
 
 
@@ -320,5 +320,5 @@ def run_guard(db: str | None, backend: str | Any, **options: Any) -> dict[str, A
     from mxdb.store import Store
 
     be = make_backend(backend) if isinstance(backend, str) else backend
-    with Store.open(db) as store:
+    with Store.open(db, create=False) as store:
         return guard(store, be, **options)
