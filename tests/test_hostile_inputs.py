@@ -183,6 +183,7 @@ def test_fifo_is_refused_without_hanging(tmp_path: Path) -> None:
     wl = tmp_path / "w.yaml"
     os.mkfifo(wl)
     assert_clean(run("tune", str(wl), "--backend", "fake"), 2, "FIFO")
+    assert_clean(run("db", "info", "--db", str(fifo)), 1, "not a regular file")
 
 
 def test_binary_workload_file(tmp_path: Path, db: str) -> None:
