@@ -33,7 +33,8 @@ from mxdb.errors import InvalidInputError, MxdbError, OutputError, OutputPathErr
 #: Limits on input files, by kind (bytes).  A file above its limit is refused unread.
 MAX_DOCUMENT_BYTES = 64 * 2**20  # JSON documents: runs, summaries, exports, manifests
 MAX_SMALL_BYTES = 4 * 2**20  # workloads, vLLM tables, fingerprints, signatures, configs
-MAX_TRACE_BYTES = 64 * 2**20  # trace files, .json or .npy
+MAX_TRACE_BYTES = 64 * 2**20  # .npy trace files
+MAX_TRACE_JSON_BYTES = 16 * 2**20  # JSON trace files (larger traces travel as .npy)
 #: Deepest nesting of arrays and objects accepted in a JSON or YAML document.
 MAX_JSON_DEPTH = 64
 #: Largest magnitude of a number in an input document (int64's maximum).
