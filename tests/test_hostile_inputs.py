@@ -163,6 +163,9 @@ def test_workload_sizes_are_bounded_before_generation(tmp_path: Path, db: str) -
         "tokens: [1]\n"
     )
     assert_clean(run("tune", str(wl), "--backend", "fake", "--db", db), 2, "experts")
+    tokens = ", ".join(str(1_000_000 + i) for i in range(100))
+    wl.write_text(f"name: many\nmodels: [qwen3-30b-a3b]\ntokens: [{tokens}]\n")
+    assert_clean(run("tune", str(wl), "--backend", "fake", "--db", db), 2, "in all")
     assert time.perf_counter() - t0 < 10
 
 
