@@ -182,10 +182,9 @@ class KernelConfig(BaseModel):
     def parse(cls, data: Any) -> KernelConfig:
         """Accept mxdb's form ({gemm1, gemm2, align_block}) or a flat vLLM-style dict, or JSON text."""
         if isinstance(data, (str, bytes)):
-            try:
-                data = json.loads(data)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"config is not valid JSON: {exc}") from None
+            from mxdb.fileio import parse_json
+
+            data = parse_json(data, what="config", error=ConfigError)
         if isinstance(data, KernelConfig):
             return data
         if not isinstance(data, dict):

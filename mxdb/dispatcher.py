@@ -27,6 +27,7 @@ import math
 import os
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -165,13 +166,37 @@ class Dispatcher:
         generation = self.store.generation()
         if generation == self._generation:
             return False
-        shadow = Dispatcher(None, self.fingerprint, replace(self.options, refresh_interval=0))
-        shadow.store = self.store
-        shadow._configs = self._configs  # configs are keyed by hash: never change
+        store = self.store
         with self._lock:
-            keys = [k for k in self._cache if k not in self._overrides]
-        for shape, routing in keys:
-            shadow._miss(shape, routing)
+            families = dict(self._families)
+            old_fps = self._fingerprints
+            cache = {k: v for k, v in self._cache.items() if k not in self._overrides}
+        fps = store.fingerprints() if old_fps is not None else None
+        shadow = Dispatcher(None, self.fingerprint, replace(self.options, refresh_interval=0))
+        shadow.store = store
+        shadow._configs = self._configs  # keyed by config hash: never change
+        shadow._fingerprints = fps
+        unchanged: set[tuple[str, str, str]] = set()
+        for key, fam in families.items():
+            rows = store.family_rows(*key)
+            if rows == fam.rows:
+                shadow._families[key] = fam  # its index and decisions stand
+                unchanged.add(key)
+            else:
+                shadow._families[key] = _Family(rows=rows)
+            time.sleep(0)  # let calls in other threads run between queries
+        if fps != old_fps:
+            unchanged = set()
+            shadow._families = {k: _Family(rows=f.rows) for k, f in shadow._families.items()}
+        else:
+            shadow._match_cache = dict(self._match_cache)
+        for n, ((shape, routing), decision) in enumerate(cache.items()):
+            if (shape.op, shape.dtype, shape.family) in unchanged:
+                shadow._cache[(shape, routing)] = decision
+            else:
+                shadow._miss(shape, routing)
+                if n % 16 == 15:
+                    time.sleep(0)
         with self._lock:
             self._cache = {**shadow._cache, **self._overrides}
             self._families = shadow._families
@@ -529,8 +554,10 @@ def _refresh_loop(
 
 
 def _restart_after_fork() -> None:
+    """A forked child has no refresher threads: start fresh ones (with fresh events)."""
     for d in list(_live):
         if d._thread is not None and not d._stop.is_set():
+            d._stop = threading.Event()
             d._start_refresher()
 
 

@@ -33,7 +33,8 @@ from mxdb.errors import InvalidInputError, MxdbError, OutputError, OutputPathErr
 #: Limits on input files, by kind (bytes).  A file above its limit is refused unread.
 MAX_DOCUMENT_BYTES = 64 * 2**20  # JSON documents: runs, summaries, exports, manifests
 MAX_SMALL_BYTES = 4 * 2**20  # workloads, vLLM tables, fingerprints, signatures, configs
-MAX_TRACE_BYTES = 64 * 2**20  # trace files, .json or .npy
+MAX_TRACE_BYTES = 64 * 2**20  # .npy trace files
+MAX_TRACE_JSON_BYTES = 16 * 2**20  # JSON trace files (larger traces travel as .npy)
 #: Deepest nesting of arrays and objects accepted in a JSON or YAML document.
 MAX_JSON_DEPTH = 64
 #: Largest magnitude of a number in an input document (int64's maximum).
@@ -105,24 +106,22 @@ def atomic_write_json(path: str | os.PathLike[str], data: Any, *, indent: int | 
     return atomic_write_text(path, text + "\n")
 
 
-def output_error(path: Path, exc: OSError) -> OutputError:
-    """The error for an ``OSError`` raised while writing ``path``."""
+def output_error(path: Path, exc: OSError, *, verb: str = "write") -> OutputError:
+    """The error for an ``OSError`` raised while writing (or, with ``verb``, using) ``path``."""
     reason = exc.strerror or str(exc)
     if exc.errno == errno.ENOSPC or exc.errno == errno.EDQUOT:
         return OutputError(
-            f"cannot write {path}: the disk is full ({reason}); nothing was left half-written: "
+            f"cannot {verb} {path}: the disk is full ({reason}); nothing was left half-written: "
             "free some space or choose another --out"
         )
     if exc.errno in (errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENAMETOOLONG, errno.EINVAL):
         return OutputPathError(
-            f"cannot write {path}: {reason} (a part of the path is a file, or the path is a "
+            f"cannot {verb} {path}: {reason} (a part of the path is a file, or the path is a "
             "folder, or the name is invalid); choose another --out"
         )
     if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return OutputError(
-            f"cannot write {path}: {reason}; choose a writable --out or fix its permissions"
-        )
-    return OutputError(f"cannot write {path}: {reason}")
+        return OutputError(f"cannot {verb} {path}: {reason}; check the path and its permissions")
+    return OutputError(f"cannot {verb} {path}: {reason}")
 
 
 # ---------------------------------------------------------------- reading

@@ -75,6 +75,9 @@ def _from_nested(rows: Any, where: str) -> IdArray:
             f"{where} has {len(rows):,} rows of {k} ids, above the limit of "
             f"{MAX_TRACE_IDS:,} ids per trace"
         )
+    fast = _fast_nested(rows)
+    if fast is not None:
+        return fast
     for i, row in enumerate(rows):
         if not isinstance(row, (list, tuple)):
             raise _fail(f"{where}: row {i} is a {type(row).__name__}, not a list of ids")
@@ -96,6 +99,27 @@ def _from_nested(rows: Any, where: str) -> IdArray:
     if k == 0:
         raise _fail(f"{where} has {len(rows)} rows of 0 ids (k = 0)")
     return np.asarray([[int(v) for v in row] for row in rows], dtype=np.int64)
+
+
+def _fast_nested(rows: Any) -> IdArray | None:
+    """Plain rows of plain ints, converted by numpy in one go; None when any value needs a look.
+
+    Booleans (which numpy would quietly turn into 0 and 1), floats, huge integers and ragged
+    rows all send the caller to the value-by-value check, which names the first bad one.
+    """
+    if not all(type(r) is list for r in rows):
+        return None
+    if any(type(v) is not int for r in rows for v in r):
+        return None
+    try:
+        arr = np.asarray(rows, dtype=np.int64)
+    except (ValueError, OverflowError, TypeError):
+        return None
+    if arr.ndim != 2 or arr.shape[1] == 0:
+        return None
+    if arr.size and (int(arr.min()) < -MAX_EXPERTS or int(arr.max()) > MAX_EXPERTS):
+        return None
+    return arr
 
 
 def _first_pos(mask: npt.NDArray[np.bool_]) -> tuple[int, int]:
@@ -127,7 +151,7 @@ def _from_array(arr: npt.NDArray[Any], where: str) -> IdArray:
             )
         return np.ascontiguousarray(arr, dtype=np.int64)
     if kind == "f":
-        bad = ~np.isfinite(arr) | (np.floor(arr) != arr)
+        bad = ~np.isfinite(arr) | (np.floor(arr) != arr) | (np.abs(arr) > 2.0**53)
         if bad.any():
             i, j = _first_pos(bad)
             raise _fail(
@@ -173,7 +197,7 @@ def _npy_header(data: bytes, where: str) -> tuple[tuple[int, ...], Any]:
 
 
 def _read_file(path: Path) -> tuple[IdArray, int | None]:
-    from mxdb.fileio import MAX_TRACE_BYTES, parse_json, read_bytes
+    from mxdb.fileio import MAX_TRACE_BYTES, MAX_TRACE_JSON_BYTES, parse_json, read_bytes
 
     where = str(path)
     suffix = path.suffix.lower()
@@ -183,7 +207,8 @@ def _read_file(path: Path) -> tuple[IdArray, int | None]:
         raise TraceError(
             f"trace file {where!r} has suffix {suffix or '(none)'!r}; use a .json or .npy file"
         )
-    raw = read_bytes(path, limit=MAX_TRACE_BYTES, what="trace file", error=TraceError)
+    limit = MAX_TRACE_BYTES if suffix == ".npy" else MAX_TRACE_JSON_BYTES
+    raw = read_bytes(path, limit=limit, what="trace file", error=TraceError)
     if not raw:
         raise _fail(f"trace file {where} is empty (0 bytes)")
     if suffix == ".npy":

@@ -42,7 +42,6 @@ from mxdb.configs import KernelConfig
 from mxdb.errors import MxdbError
 from mxdb.evidence.synthetic import synthetic_bundle
 from mxdb.evidence.writer import write_manifest
-from mxdb.fileio import parse_json
 from mxdb.fingerprint import load_fingerprint
 from mxdb.interop import flaggems, vllm
 from mxdb.interop.export import read_export
@@ -446,8 +445,8 @@ def test_kernel_config(doc: Any, text: str) -> None:
 def _loads(path: Path) -> Any:
     """The JSON value of a file, or None when it is not (strictly) JSON."""
     try:
-        return parse_json(path.read_bytes())
-    except MxdbError:
+        return json.loads(path.read_bytes(), parse_constant=lambda c: None)
+    except (ValueError, RecursionError):
         return None
 
 

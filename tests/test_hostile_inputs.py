@@ -23,10 +23,10 @@ from click.testing import CliRunner, Result
 
 from mxdb.audit import audit_paths
 from mxdb.cli import cli
-from mxdb.errors import InvalidInputError, StoreError, TraceError
+from mxdb.errors import InvalidInputError, StoreError
 from mxdb.evidence.synthetic import synthetic_bundle
 from mxdb.evidence.writer import write_manifest
-from mxdb.fileio import MAX_JSON_DEPTH, atomic_write_bytes, parse_json
+from mxdb.fileio import atomic_write_bytes
 from mxdb.models import Entry, Fingerprint
 from mxdb.store import Store
 
@@ -88,7 +88,7 @@ def checks(*paths: Path) -> set[str]:
 def test_deep_json_in_every_json_reader(tmp_path: Path, db: str) -> None:
     deep = tmp_path / "deep.json"
     deep.write_text(DEEP)
-    limit = f"limit of {MAX_JSON_DEPTH} levels"
+    limit = "limit of 64 levels"  # mxdb.fileio.MAX_JSON_DEPTH
     assert_clean(run("trace", str(deep), "-E", "8"), 2, limit)
     assert_clean(run("dispatch", *SHAPE, "--fingerprint", str(deep), "--db", db), 2, limit)
     assert_clean(run("fingerprint", "--diff", str(deep)), 2, limit)
@@ -163,6 +163,9 @@ def test_workload_sizes_are_bounded_before_generation(tmp_path: Path, db: str) -
         "tokens: [1]\n"
     )
     assert_clean(run("tune", str(wl), "--backend", "fake", "--db", db), 2, "experts")
+    tokens = ", ".join(str(1_000_000 + i) for i in range(100))
+    wl.write_text(f"name: many\nmodels: [qwen3-30b-a3b]\ntokens: [{tokens}]\n")
+    assert_clean(run("tune", str(wl), "--backend", "fake", "--db", db), 2, "in all")
     assert time.perf_counter() - t0 < 10
 
 
@@ -183,6 +186,7 @@ def test_fifo_is_refused_without_hanging(tmp_path: Path) -> None:
     wl = tmp_path / "w.yaml"
     os.mkfifo(wl)
     assert_clean(run("tune", str(wl), "--backend", "fake"), 2, "FIFO")
+    assert_clean(run("db", "info", "--db", str(fifo)), 1, "not a regular file")
 
 
 def test_binary_workload_file(tmp_path: Path, db: str) -> None:
@@ -225,7 +229,7 @@ def test_bad_out_paths(tmp_path: Path, db: str, bundle: Path) -> None:
     res = run(
         "tune", str(wl), "--backend", "fake", "--no-progress", "--db", db, "--out", str(afile)
     )
-    assert_clean(res, 2, "cannot write")
+    assert_clean(res, 2, "choose another --out")
     assert_clean(run("report", str(bundle), "--out", str(afile / "r"), "--no-plots"), 2)
     assert_clean(run("keygen", "--out", str(afile / "k.pem")), 2)
 
@@ -299,6 +303,8 @@ def test_mistyped_db_creates_nothing(tmp_path: Path) -> None:
     assert_clean(
         run("export", "--format", "mxdb", "--out", str(tmp_path / "e.json"), "--db", url), 1
     )
+    assert_clean(run("drift", "check", "--db", url, "--dry-run"), 1, "no store")
+    assert_clean(run("drift", "guard", "--db", url, "--backend", "fake"), 1, "no store")
     assert not (tmp_path / "typo").exists()
 
 
@@ -447,6 +453,8 @@ def test_duplicate_json_keys_are_a_finding(bundle: Path) -> None:
     (bundle / "summary.json").write_text('{"schema": "forged", ' + text[1:])
     remanifest(bundle)
     assert "json.duplicate_key" in checks(bundle)
+    from mxdb.fileio import parse_json
+
     with pytest.raises(InvalidInputError, match="duplicate key"):
         parse_json('{"speedup": 9.99, "speedup": true}')
 
@@ -509,5 +517,43 @@ def _entry(
     )
 
 
-def test_trace_error_class_is_an_input_error() -> None:
-    assert issubclass(TraceError, InvalidInputError)
+def test_background_refresh_keeps_unchanged_families_and_updates_changed_ones(db: str) -> None:
+    from mxdb import Dispatcher, DispatchOptions
+    from mxdb.configs import GemmConfig, KernelConfig
+    from mxdb.shapes import MoEShape
+
+    with Store.open(db) as s:
+        s.add_entries([_entry()])
+    store = Store.open(db)
+    disp = Dispatcher(store, FP, DispatchOptions(refresh_interval=3600))  # refreshed by hand
+    a = MoEShape(8, 4096, 14336, 2, 4, "bf16")
+    b = MoEShape(16, 1024, 512, 2, 4, "bf16")
+    first_a, first_b = disp.dispatch(a, "uniform"), disp.dispatch(b, "uniform")
+    assert first_a.reason == "exact_match" and first_b.reason == "no_entry"
+    cfg = KernelConfig.uniform(GemmConfig(block_m=32, block_n=64, block_k=64))
+    other = _entry(config=cfg)
+    other = other.model_copy(update={"family": b.family, "dims": b.dims()})
+    with Store.open(db) as s:
+        s.add_entries([other])
+    assert disp.refresh_now() is True
+    assert disp.dispatch(a, "uniform") is first_a  # unchanged family: the same decision
+    assert disp.dispatch(b, "uniform").config == cfg
+    assert disp.refresh_now() is False  # nothing new
+    disp.close()
+    store.close()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_keeps_refreshing(db: str) -> None:
+    from mxdb import Dispatcher, DispatchOptions
+
+    store = Store.open(db)
+    disp = Dispatcher(store, FP, DispatchOptions(refresh_interval=0.01))
+    pid = os.fork()
+    if pid == 0:  # the child: its refresher must be alive
+        code = 0 if disp._thread is not None and disp._thread.is_alive() else 3
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    disp.close()
+    store.close()
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -592,8 +592,10 @@ class _BundleAudit:
         from mxdb.audit.tuning_cost import TUNING_COST_NAME, check_tuning_cost
 
         try:
-            doc = json.loads(contents[TUNING_COST_NAME], parse_constant=_parse_constant)
-        except (ValueError, UnicodeDecodeError) as exc:
+            doc = parse_json(
+                contents[TUNING_COST_NAME], what=TUNING_COST_NAME, parse_constant=_parse_constant
+            )
+        except InvalidInputError as exc:
             self.add(
                 "json.invalid",
                 TUNING_COST_NAME,

@@ -27,14 +27,15 @@ The audit recomputes every figure; a mismatch is a finding.
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 from collections.abc import Mapping
 from typing import Any
 
 from mxdb.audit.findings import FindingSink
 from mxdb.configs import config_hash
+from mxdb.errors import InvalidInputError
 from mxdb.evidence import stats
+from mxdb.fileio import parse_json
 
 TUNING_COST_NAME = "tuning_cost.json"
 SCHEMA = "mxdb.tuning-cost"
@@ -258,7 +259,7 @@ def check_tuning_cost(
                         "the claim names a sweep file the bundle does not hold",
                     )
                     continue
-                sweep = json.loads(contents[sweep_rel])
+                sweep = parse_json(contents[sweep_rel], what=sweep_rel)
                 best_hash, _ = _sweep_best(sweep)
                 run_hash = runs[ids[label]].get("config_hash")
                 if best_hash != config_hash(sweep.get("best", {})) or best_hash != run_hash:
@@ -271,12 +272,12 @@ def check_tuning_cost(
                         f"the {label} run does not time the sweep's fastest config",
                     )
             n = sum(
-                _sweep_best(json.loads(contents[s]))[1]
+                _sweep_best(parse_json(contents[s], what=s))[1]
                 for s in p["exhaustive"]["sweeps"]
                 if s in contents
             )
             fig["exhaustive_configs_timed"] = n
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, InvalidInputError) as exc:
             sink.add(
                 "tuning_cost.invalid", rel, where, "a complete point", repr(exc)[:80], "malformed"
             )

@@ -64,8 +64,8 @@ def _classify(exc: BaseException) -> tuple[str, str, int]:
     if isinstance(exc, OSError):
         from mxdb.fileio import output_error
 
-        path = Path(exc.filename) if exc.filename else Path("output")
-        err: OutputError = output_error(path, exc)
+        path = Path(exc.filename) if exc.filename else Path("a file")
+        err: OutputError = output_error(path, exc, verb="use")
         return type(err).__name__, str(err), err.exit_code
     if isinstance(exc, MemoryError):
         return "MemoryError", "out of memory; pass a smaller input", EXIT_FAILURE
@@ -108,11 +108,13 @@ class MxdbGroup(click.Group):
             _report(argv, "Aborted", "aborted", EXIT_FAILURE)
             sys.exit(EXIT_FAILURE)
         except click.ClickException as exc:
+            code = EXIT_USAGE if exc.exit_code not in (0, 1) else exc.exit_code
             if _wants(argv, "--json"):
-                _report(argv, "UsageError", exc.format_message(), EXIT_USAGE)
+                kind = "UsageError" if code == EXIT_USAGE else "Error"
+                _report(argv, kind, exc.format_message(), code)
             else:
                 exc.show()
-            sys.exit(EXIT_USAGE if exc.exit_code not in (0, 1) else exc.exit_code)
+            sys.exit(code)
         except KeyboardInterrupt:
             _report(argv, "Interrupted", "interrupted", 130)
             sys.exit(130)

@@ -191,14 +191,14 @@ def _config_text(value: str) -> str:
     text = value.strip()
     if text.startswith("{"):
         return text
+    from mxdb.fileio import MAX_SMALL_BYTES, read_text
+
     path = Path(value)
-    try:
-        return path.read_text(encoding="utf-8")
-    except OSError as exc:
+    if not path.exists():
         raise ConfigError(
-            f"--config {value!r} is neither JSON text (starting with '{{') nor a readable "
-            f"file: {exc}"
-        ) from None
+            f"--config {value!r} is neither JSON text (starting with '{{') nor an existing file"
+        )
+    return read_text(path, limit=MAX_SMALL_BYTES, what="--config file", error=ConfigError)
 
 
 def _print_rows(title: str, rows: list[tuple[str, Any]]) -> None:

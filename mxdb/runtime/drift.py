@@ -665,7 +665,7 @@ def run_check(
         current = load_fingerprint(fingerprint_file)
     else:
         current = host_fingerprint(offline=offline).fingerprint
-    with Store.open(db) as store:
+    with Store.open(db, create=False) as store:  # nothing to check in a store that is not there
         return check(store, current, policy=policy, mark=mark, workload_out=workload_out)
 
 
@@ -693,7 +693,7 @@ def run_guard(db: str | None, backend: str | Any, **options: Any) -> dict[str, A
 
     be = make_backend(backend) if isinstance(backend, str) else backend
     try:
-        with Store.open(db) as store:
+        with Store.open(db, create=False) as store:
             return guard(store, be, **options)
     finally:
         if isinstance(backend, str):  # made here: shut its compile pool down here

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -187,9 +188,15 @@ def _check_sqlite_file(path: Path) -> None:
     if path.is_dir():
         raise StoreError(f"{path} is a directory, not a database file; pass a file path as --db")
     try:
-        size = path.stat().st_size
+        st = path.stat()
     except FileNotFoundError:
         return
+    if not stat.S_ISREG(st.st_mode):
+        raise StoreError(
+            f"{path} is not a regular file (a FIFO, socket or device), so not a database; "
+            "pass a database file as --db"
+        )
+    size = st.st_size
     if size == 0:
         return  # an empty file is an empty database
     with path.open("rb") as fh:

@@ -185,14 +185,14 @@ def _seed(base: int, shape: MoEShape, label: str) -> int:
 
 def _read_replay(workload: Workload, src: ReplayRouting, shape: MoEShape) -> np.ndarray:
     path = workload.resolve(src.path)
-    from mxdb.fileio import MAX_TRACE_BYTES, load_json
+    from mxdb.fileio import MAX_TRACE_JSON_BYTES, load_json
 
     if not path.exists():
         raise WorkloadError(
             f"routings: replay trace {str(path)!r} does not exist; record one with `mxdb trace` "
             "or point path at an evidence traces/<hash>.json file"
         )
-    doc = load_json(path, what="replay trace", limit=MAX_TRACE_BYTES, error=WorkloadError)
+    doc = load_json(path, what="replay trace", limit=MAX_TRACE_JSON_BYTES, error=WorkloadError)
     rows = doc.get("ids") if isinstance(doc, dict) else doc
     try:
         ids = np.asarray(rows, dtype=np.int64)

@@ -45,6 +45,8 @@ _STRICT = ConfigDict(frozen=True, extra="forbid")
 MAX_LIST = 256
 MAX_POINTS = 100_000
 MAX_TRACE_IDS = 1 << 24
+#: ... and over all of a workload's generated traces together.
+MAX_WORKLOAD_IDS = 1 << 26
 
 
 class ModelSpec(BaseModel):
@@ -263,6 +265,13 @@ class Workload(BaseModel):
         points = len(self.models) * len(self.tokens) * len(self.dtypes) * len(self.routings)
         if points > MAX_POINTS:
             raise ValueError(f"{points:,} points, above the limit of {MAX_POINTS:,} per workload")
+        total_ids = sum(m.topk for m in self.models) * sum(self.tokens)
+        total_ids *= len(self.dtypes) * len(self.routings)
+        if total_ids > MAX_WORKLOAD_IDS:
+            raise ValueError(
+                f"the workload's traces would hold {total_ids:,} expert ids in all, above the "
+                f"limit of {MAX_WORKLOAD_IDS:,}; split it into smaller workloads"
+            )
         for m in self.models:
             if m.topk > m.experts:
                 raise ValueError(f"model {m.label}: topk ({m.topk}) exceeds experts ({m.experts})")
