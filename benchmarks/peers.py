@@ -420,6 +420,9 @@ def publish(raw_path: Path, bundle: Path) -> None:
         routing_source=raw.get("trace_source") if raw.get("rule") else None,
     )
     doc = PeersDoc.model_validate(doc).to_json_dict()
+    for key in ("rule", "routing_source"):  # fields of the verdict layout only
+        if doc.get(key) is None:
+            doc.pop(key, None)
     atomic_write(tmp / PEERS_FILE, dumps(doc))
     atomic_write_text(tmp / "report" / "peers.md", render(doc))
     plots(doc, tmp / "report")

@@ -37,6 +37,7 @@ from mxdb.decision import EXACT, NEIGHBOUR, Decision, fallback
 from mxdb.errors import MxdbError, UsageError
 from mxdb.models import ADJACENT_CLASSES, ROUTING_CLASSES, Fingerprint
 from mxdb.ops import parse_config
+from mxdb.shapes import MOE_OP
 
 if TYPE_CHECKING:
     from mxdb.store import DispatchRow, Store
@@ -275,7 +276,7 @@ class Dispatcher:
                     why = "exact_match" if same else "adjacent_routing"
                 else:
                     why = "neighbour_tokens" if same else "neighbour_tokens_adjacent_routing"
-                conf = self._support(r, shape.tokens, routing_class, why)
+                conf = self._support(r, shape.tokens, routing_class, why, shape.op)
                 if conf is None:
                     continue
                 cand = (round(conf, 4), r.speedup or 0.0, r.id, r)
@@ -403,7 +404,7 @@ class Dispatcher:
                     reason = "exact_match" if same else "adjacent_routing"
                 else:
                     reason = "neighbour_tokens" if same else "neighbour_tokens_adjacent_routing"
-                conf = self._support(row, tokens, routing_class, reason)
+                conf = self._support(row, tokens, routing_class, reason, op)
                 if conf is None:
                     unsupported = True
                     continue
@@ -435,7 +436,7 @@ class Dispatcher:
         )
 
     def _support(
-        self, row: DispatchRow, tokens: int, routing_class: str, reason: str
+        self, row: DispatchRow, tokens: int, routing_class: str, reason: str, op: str = MOE_OP
     ) -> float | None:
         """The confidence with which ``row`` answers (tokens, class), or None if unsupported.
 
@@ -446,10 +447,16 @@ class Dispatcher:
         count on the far side of the call's (the call lies between the entry's key and the
         instance), and then with the fraction won among the class's instances on that side.
         A baseline record answers its neighbourhood without validation: it only ever sends
-        the call to FlagGems' own choice.
+        the call to FlagGems' own choice.  Ops other than the fused-MoE layer (the decode ops,
+        whose choice of implementation does not depend on routing) answer a neighbouring token
+        count within the ratio limit, with confidence falling to half at the limit.
         """
         if row.status == "baseline" or self.store is None:
             return CONFIDENCE_EXACT
+        if op != MOE_OP:
+            ratio = max(row.tokens, tokens) / min(row.tokens, tokens)
+            span = math.log2(self.options.neighbour_ratio) or 1.0
+            return CONFIDENCE_EXACT * (1.0 - 0.5 * math.log2(ratio) / span)
         confidence, record = self._validation(row.id)
         if reason == "exact_match":
             return confidence if confidence is not None else CONFIDENCE_EXACT

@@ -13,7 +13,8 @@ A point's comparisons (each timed in rounds of randomized order, :mod:`mxdb.verd
   the bar (if any), on a routing instance of the point's class the search never saw.
 - ``tokens-M``: FlagGems' choice at a neighbouring token count ``M`` and its copies against the
   chosen config, on a held-out instance at ``M`` (what a neighbour answer of the dispatcher
-  may rely on).
+  may rely on); ``class-N``: the same at the point's own token count on an instance of the
+  workload's N-th other routing source (what an answer for an adjacent class may rely on).
 
 The decision:
 
@@ -240,7 +241,7 @@ def decide(arms: Iterable[Arm], *, heldout_min: int = HELDOUT_MIN) -> PointDecis
                 ok = ok and not pv.slower
         won += ok
         validation.append(_record(name, cand, hv, ok))
-    for name in sorted(n for n in by_comp if n.startswith("tokens-")):
+    for name in sorted(n for n in by_comp if n.startswith(("tokens-", "class-"))):
         comp = by_comp[name]
         _, copies = copies_of(comp)
         cand = next((a for a in comp if a.config_hash == chosen.config_hash), None)

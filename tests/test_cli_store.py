@@ -59,6 +59,22 @@ def seeded(tmp_path: Path) -> tuple[str, Path]:
                         status="verified",
                         source="tune",
                         speedup=1.05,
+                        confidence=1.0,
+                        # held-out instances won at M and at 1.5x M (neighbour answers)
+                        validation=[
+                            {
+                                "comparison": "heldout-1",
+                                "tokens": m,
+                                "routing_class": rc,
+                                "won": True,
+                            },
+                            {
+                                "comparison": f"tokens-{m * 3 // 2}",
+                                "tokens": m * 3 // 2,
+                                "routing_class": rc,
+                                "won": True,
+                            },
+                        ],
                     )
                 ]
             )

@@ -1,7 +1,8 @@
 """The audit of a peers claim (``peers.json``): every figure recomputed from the runs' samples.
 
 Each point's runs must be in the bundle with the role of their label, the point's token count
-and trace, and the control pair must time config (c).  The figures are then recomputed with
+and trace, and the control pair must time config (c) (config (a) under ``rule: "verdict"``,
+where the pair are copies of FlagGems' choice).  The figures are then recomputed with
 :func:`mxdb.evidence.peers.build_peers` (the writer's own function, on the runs' raw samples)
 and compared leaf by leaf within the audit's tolerance; each target's threshold must be
 mxdb's, its measured value the recomputed figure and its verdict that of the value against
@@ -220,6 +221,8 @@ def _point_problems(
     p: Mapping[str, Any],
     runs: Mapping[str, Mapping[str, Any]],
     traces: Mapping[str, Mapping[str, Any]],
+    *,
+    copies_of: str = "c",
 ) -> bool:
     """Report a point whose runs cannot support it; True when it has a problem."""
     where = f"points[{i}]"
@@ -255,10 +258,10 @@ def _point_problems(
             want = {"family": p["family"]}
         if want != run["shape"]:
             problems.append(("shape", want, run["shape"]))
-        if lab.startswith("ctl") and run["config_hash"] != runs.get(ids["c"], {}).get(
+        if lab.startswith("ctl") and run["config_hash"] != runs.get(ids[copies_of], {}).get(
             "config_hash"
         ):
-            problems.append(("config_hash", "config (c)'s hash", run["config_hash"]))
+            problems.append(("config_hash", f"config ({copies_of})'s hash", run["config_hash"]))
         for fld, exp, got in problems:
             sink.add(
                 "peers.run_mismatch",
@@ -314,8 +317,9 @@ def check_peers(
             "the claim names another environment than the bundle's fingerprint",
         )
     bad = False
+    copy_label = "a" if doc.get("rule") == "verdict" else "c"
     for i, p in enumerate(doc["points"]):
-        bad |= _point_problems(sink, rel, i, p, runs, traces)
+        bad |= _point_problems(sink, rel, i, p, runs, traces, copies_of=copy_label)
     if bad:
         return  # figures of points without their runs cannot be recomputed
     figs = {h: trace_figures(t["ids"]) for h, t in traces.items()}

@@ -37,7 +37,13 @@ from mxdb.store import Claim, Store
 from mxdb.tune.backend import Backend
 from mxdb.tune.search import PointInput, RoutingInput, SearchResult, search
 from mxdb.tune.space import SearchSpace, peer_seeds
-from mxdb.tune.traces import Trace, heldout_traces, neighbour_traces, point_traces
+from mxdb.tune.traces import (
+    Trace,
+    heldout_traces,
+    neighbour_traces,
+    point_traces,
+    source_instances,
+)
 from mxdb.tune.verify import point_entry, single_record
 from mxdb.tune.workload import Point, SearchOptions, Workload
 
@@ -114,7 +120,8 @@ def validation_traces(workload: Workload, point: Point, replay: Trace) -> dict[s
         if opts.neighbour_tokens
         else []
     )
-    return {"heldout": heldout, "neighbours": neighbours}
+    classes = source_instances(workload, point.shape, point.routing_index)
+    return {"heldout": heldout, "neighbours": neighbours, "classes": classes}
 
 
 def tune(
@@ -365,6 +372,7 @@ def measure_point(
     synthetic = Trace.from_payload(payload["synthetic"], shape.experts)
     heldout = [Trace.from_payload(t, shape.experts) for t in payload.get("heldout", [])]
     neighbours = [Trace.from_payload(t, shape.experts) for t in payload.get("neighbours", [])]
+    classes = [Trace.from_payload(t, shape.experts) for t in payload.get("classes", [])]
     key = (shape.experts, shape.hidden, shape.intermediate, shape.topk)
     cache = space_cache if space_cache is not None else {}
     space = cache.get(key)
@@ -389,6 +397,7 @@ def measure_point(
         peer_rows=tuple(rows),
         heldout=tuple(rin(t) for t in heldout),
         neighbours=tuple(rin(t) for t in neighbours),
+        classes=tuple(rin(t) for t in classes),
     )
     budget_s = None
     if deadline is not None:
@@ -693,7 +702,7 @@ def write_bundle(
         if not ms:
             continue
         extra = validation_traces(workload, p, replay)
-        for t in (replay, synthetic, *extra["heldout"], *extra["neighbours"]):
+        for t in (replay, synthetic, *extra["heldout"], *extra["neighbours"], *extra["classes"]):
             w.add_trace(t.ids, experts=p.shape.experts, generator=t.generator)
         for m in ms:
             # the bundle holds the replayed comparison and every failure; the synthetic

@@ -78,6 +78,9 @@ class PointInput:
     heldout: tuple[RoutingInput, ...] = ()
     #: held-out instances at neighbouring token counts (what a neighbour answer relies on)
     neighbours: tuple[RoutingInput, ...] = ()
+    #: instances of the workload's other routing sources at the point's token count (what an
+    #: answer for an adjacent routing class relies on)
+    classes: tuple[RoutingInput, ...] = ()
 
 
 @dataclass
@@ -279,11 +282,12 @@ def search(
     # 4. finalists on the replayed routing, with the baseline and a control pair
     finalists = _dedup([*refined, *ranking_cfgs])
     finalists = [c for c in finalists if c.hash != baseline.hash][: options.finalists]
-    # the peer tables' configs that ran always reach the replayed comparison too, so that a
-    # verified answer is never one a peer's table beats on the point's own routing
-    timed = {m.config_hash for m in rec.items if m.fidelity == "synthetic" and m.status == "ok"}
+    # the peer tables' configs that compiled always reach the replayed comparison too (even
+    # when the budget ran out before the synthetic rungs), so that a verified answer is never
+    # one a peer's table beats on the point's own routing
+    ok = {c.hash for c in compiled}
     chosen = {c.hash for c in finalists}
-    finalists += [c for c in seeds if c.hash in timed and c.hash not in chosen]
+    finalists += [c for c in seeds if c.hash in ok and c.hash not in chosen]
     result = SearchResult(
         shape=shape,
         measurements=rec.items,
@@ -733,7 +737,8 @@ def validate(
 
     Each held-out instance of the point's class is one comparison (``heldout-N``): FlagGems'
     choice and its copies, the choice, and the peer row that set the bar; each neighbouring
-    token count's instance (``tokens-M``) compares the choice with FlagGems' choice there.
+    token count's instance (``tokens-M``) and each other routing source's (``class-N``)
+    compares the choice with FlagGems' choice there.
     The choice is checked against the reference on every instance.
     """
     chosen = result.winner
@@ -745,6 +750,7 @@ def validate(
     for r in point.neighbours:
         n = r.ids.shape[0]
         comps.append((f"tokens-{n}", point.shape.with_tokens(n), r))
+    comps += [(f"class-{i + 1}", point.shape, r) for i, r in enumerate(point.classes)]
     for name, shape, routing in comps:
         base = backend.baseline_config(shape)
         extra = []

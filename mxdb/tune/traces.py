@@ -146,6 +146,21 @@ def heldout_traces(
     return out
 
 
+def source_instances(workload: Workload, shape: MoEShape, routing_index: int) -> list[Trace]:
+    """One fresh instance of each *other* generated routing source of the workload at the
+    point's token count: what an answer for an adjacent routing class relies on."""
+    out: list[Trace] = []
+    for j, src in enumerate(workload.routings):
+        if j == routing_index or isinstance(src, ReplayRouting):
+            continue
+        seed = _seed(workload.seed, shape, src.label() + "|class-check")
+        ids = generate(src.kind, shape, seed, _params(src))
+        gen: dict[str, Any] = {"kind": src.kind, "seed": seed, "params": _params(src)}
+        cls = classify(ids, shape.experts)
+        out.append(Trace(ids, trace_hash(shape.experts, ids.tolist()), cls, gen))
+    return out
+
+
 def neighbour_tokens(tokens: int) -> list[int]:
     """The token counts half-way (geometric) to a point's neighbours at half and double M."""
     out = []
