@@ -28,8 +28,11 @@ from mxdb.evidence.serving import (
     TARGETS,
     build_serving,
     flat_figures,
+    hook_path,
     render_report,
 )
+
+FALLBACK_PATHS = ("lean_fallback", "flaggems_fallback")
 
 #: At most this many findings of one per-sample check.
 MAX_ROW_FINDINGS = 20
@@ -127,6 +130,21 @@ def _layout_ok(sink: FindingSink, rel: str, doc: Mapping[str, Any]) -> bool:
                 f"{rounds} samples per arm (one per round)",
                 lens,
                 "the arms' samples are not one per round: no paired rounds",
+            )
+        want_path = hook_path(p["hook_stats"])
+        if p["path"] != want_path:
+            add(
+                f"hooked.points[{i}].path",
+                want_path,
+                p["path"],
+                "the path is not the one the point's hook counters give",
+            )
+        if (p["decision"]["config"] is None) != (p["path"] in FALLBACK_PATHS):
+            add(
+                f"hooked.points[{i}].path",
+                "a fallback path" if p["decision"]["config"] is None else "a dispatched path",
+                p["path"],
+                "the path contradicts the recorded dispatch decision",
             )
         if p["order_seed"] != p["tokens"]:
             add(

@@ -50,6 +50,13 @@ REPORT_FILE = "report.md"
 SMALL_TOKENS_MAX = 16
 ARMS: tuple[str, ...] = ("stock", "stock2", "hooked")
 LADDER: tuple[str, ...] = ("off", "4096", "64", "4")
+PHASE_SERIES: tuple[str, ...] = (
+    "clean",
+    "static_clean",
+    "static_injected",
+    "healing_clean",
+    "healing_injected",
+)
 
 SERIES: dict[str, str] = {
     "stock": "FlagGems 5.0.2 fused_experts_impl as shipped: N back-to-back eager calls between "
@@ -84,6 +91,8 @@ DEFINITIONS: dict[str, str] = {
     "healed_tokens_per_s": "median tokens/s over the last tail_chunks chunks of the injected "
     "phase with healing on",
     "healed_over_clean": "healed_tokens_per_s / clean_tokens_per_s",
+    "mean_us": "per arm: the mean of its samples (every sample counts)",
+    "mean_tokens_per_s": "per phase and ladder rung: the mean of its chunk rates",
     "slow_chunks": "chunks of the injected healing phase below half of clean_tokens_per_s",
     "ladder_overhead": "per rung: 1 - median(rung tokens/s) / median(off tokens/s)",
     "ladder_paired_overhead": "per rung: 1 - median over repetitions of rung_r / off_r (the "
@@ -179,6 +188,7 @@ class HookedPoint(_Doc):
     order_seed: int
     samples: HookedSamples
     median_us: dict[str, float]
+    mean_us: dict[str, float]
     speedup: float | None
     speedup_low: float | None
     speedup_high: float | None
@@ -295,6 +305,7 @@ class HealingFigures(_Doc):
     healed_over_static: float
     static_over_clean: float
     slow_chunks: int
+    mean_tokens_per_s: dict[str, float]
     transitions_by_kind: dict[str, int]
     final_active: int
     ladder_tokens_per_s: dict[str, float]
@@ -374,6 +385,7 @@ def point_figures(p: Mapping[str, Any]) -> dict[str, Any]:
                 (after if i > 0 and arms[i - 1] == "hooked" else other).append(s[arm][r])
     return {
         "median_us": med,
+        "mean_us": {k: math.fsum(s[k]) / len(s[k]) for k in ARMS},
         "speedup": v.speedup,
         "speedup_low": v.low,
         "speedup_high": v.high,
@@ -388,6 +400,15 @@ def point_figures(p: Mapping[str, Any]) -> dict[str, Any]:
         "stock_median_us_after_hooked": stats.median(after) if after else None,
         "stock_median_us_otherwise": stats.median(other) if other else None,
     }
+
+
+def hook_path(hook_stats: Mapping[str, Any]) -> str:
+    """The path the benchmark names for a point from its hook counters."""
+    if hook_stats.get("lean"):
+        return "lean"
+    if hook_stats.get("lean_fallback"):
+        return "lean_fallback"
+    return "flaggems_dispatched" if hook_stats.get("dispatched") else "flaggems_fallback"
 
 
 def capture_ok(capture: Mapping[str, Any] | None) -> float:
@@ -437,6 +458,10 @@ def _med(xs: Sequence[float]) -> float:
     return stats.median([float(x) for x in xs])
 
 
+def _mean(xs: Sequence[float]) -> float:
+    return math.fsum(float(x) for x in xs) / len(xs)
+
+
 def healing_figures(
     setup: Mapping[str, Any], samples: Mapping[str, Any], transitions: Sequence[Mapping[str, Any]]
 ) -> dict[str, Any]:
@@ -480,6 +505,10 @@ def healing_figures(
         "healed_over_static": healed / static,
         "static_over_clean": static / clean,
         "slow_chunks": sum(1 for x in samples["healing_injected"] if float(x) < clean / 2.0),
+        "mean_tokens_per_s": {
+            **{k: _mean(samples[k]) for k in PHASE_SERIES},
+            **{f"ladder_{k}": _mean(v) for k, v in ladder.items() if v},
+        },
         "transitions_by_kind": dict(sorted(Counter(str(t["kind"]) for t in transitions).items())),
         "final_active": active,
         "ladder_tokens_per_s": lmed,
