@@ -232,6 +232,18 @@ def check_serving(
     recomputed.pop("targets")
     compare_claims(sink, rel, claimed, recomputed, _code, tol)
     check_targets(sink, rel, "serving", doc["targets"], TARGETS, figures, tol)
+    specs = {t.name: t for t in TARGETS}
+    for i, t in enumerate(doc["targets"]):
+        spec = specs.get(str(t.get("name")))
+        if spec is not None and t.get("statement") != spec.statement:
+            sink.add(
+                "serving.target_threshold_mismatch",
+                rel,
+                f"targets[{i}].statement",
+                spec.statement,
+                t.get("statement"),
+                f"target {spec.name}'s statement is not mxdb's",
+            )
 
 
 def _check_report(sink: FindingSink, rel: str, doc: Mapping[str, Any], md: bytes) -> None:
