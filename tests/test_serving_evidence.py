@@ -442,3 +442,10 @@ def test_every_raw_sample_is_checked(committed: dict[str, Any]) -> None:
         if not _findings(doc):
             missed.append(path)
     assert missed == []
+
+
+def test_malformed_setup_is_a_finding_not_a_crash(committed: dict[str, Any]) -> None:
+    doc = copy.deepcopy(committed)
+    doc["healing"]["samples"]["ladder"]["every"] = doc["healing"]["samples"]["ladder"].pop("64")
+    doc["healing"]["setup"]["model"]["layers"] = "eight"
+    assert set(_findings(doc)) == {"serving.layout_mismatch"}

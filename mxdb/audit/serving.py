@@ -155,6 +155,18 @@ def _layout_ok(sink: FindingSink, rel: str, doc: Mapping[str, Any]) -> bool:
             )
     hl = doc["healing"]
     s, smp = hl["setup"], hl["samples"]
+    layers = s["model"].get("layers")
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+        add("healing.setup.model.layers", "a positive layer count", layers, "no layer count")
+    rungs = [k for k in (*smp["ladder"], *s["ladder_order"]) if k != "off"]
+    if any(not (k.isdigit() and int(k) > 0) for k in rungs):
+        add(
+            "healing.samples.ladder",
+            "off and sampling intervals N > 0",
+            sorted(smp["ladder"]),
+            "a ladder rung is neither off nor a sampling interval",
+        )
+        return False
     steps, chunk = s["steps"], s["chunk"]
     want = {
         "clean": steps // chunk,
