@@ -7,6 +7,8 @@ Usage (GPU host):  python benchmarks/serving.py hooked OUT_DIR
                    python benchmarks/serving.py healing OUT_DIR
                    [--store-export evidence/store-export.json] [--layers 8] [--slow-layers 6]
 Usage (anywhere):  python benchmarks/serving.py summary OUT_DIR/hooked.json
+                   python benchmarks/serving.py publish OUT/hooked.json OUT/healing.json
+                   evidence/h200-serving [--notes NOTES.md] [--steps 400] [--chunk 25]
 
 ``hooked``: for every point of the peers comparison (``benchmarks/peers.py``: Mixtral-8x7B and
 Qwen3-30B-A3B, bf16, M in 1..4096, uniform / Zipf 1.2 / hot-expert routing, each replaying the
@@ -46,9 +48,16 @@ CUDA events around chunks of steps:
 
 Raw results go to OUT_DIR/healing.json after every phase.
 
-``summary``: the figures the issue asks for, recomputed from the raw samples: the geomean of
-stock/hooked medians at M <= 16 and over all points, and the points where the hooked call is
-slower than stock beyond the point's noise band.
+``summary``: a quick look at the raw samples: the geomean of stock/hooked medians at M <= 16
+and over all points, and the points where the median ratio is below 1 minus the control
+pair's band (the earlier rule; the published evidence judges with ``mxdb.verdict``).
+
+``publish``: the evidence bundle (``mxdb.evidence.serving``): fingerprint.json, serving.json
+(the raw samples of both runs, every figure recomputed from them, each point judged with
+``mxdb.verdict.compare`` on its paired rounds, the issue's targets) and report.md, a
+rendering of serving.json with the paragraphs of ``--notes`` (blank-line separated) at its
+end.  ``--steps``, ``--chunk``, ``--ladder-reps`` and ``--tail-chunks`` are the healing run's
+options (its raw file does not record them); publish checks them against its chunk counts.
 """
 
 from __future__ import annotations
@@ -640,6 +649,58 @@ def healing_summary(doc: dict[str, Any], tail: int = 4) -> dict[str, Any]:
     return out
 
 
+def publish(
+    hooked_path: Path,
+    healing_path: Path,
+    bundle: Path,
+    *,
+    notes_path: Path | None = None,
+    steps: int = 400,
+    chunk: int = 25,
+    tail_chunks: int = 4,
+    ladder_reps: int = 3,
+) -> Path:
+    """Write the serving evidence bundle from the two raw files (figures computed by mxdb)."""
+    import shutil
+
+    from mxdb.evidence.files import atomic_write, dumps
+    from mxdb.evidence.models import FingerprintDoc
+    from mxdb.evidence.serving import (
+        REPORT_FILE,
+        SERVING_FILE,
+        from_raw,
+        notes_from_text,
+        render_report,
+    )
+    from mxdb.evidence.writer import write_manifest
+
+    milestone = "h200-serving"
+    notes = notes_from_text(notes_path.read_text()) if notes_path is not None else []
+    fp, doc = from_raw(
+        json.loads(hooked_path.read_text()),
+        json.loads(healing_path.read_text()),
+        milestone=milestone,
+        notes=notes,
+        steps=steps,
+        chunk=chunk,
+        tail_chunks=tail_chunks,
+        ladder_reps=ladder_reps,
+    )
+    tmp = bundle.with_name(bundle.name + ".new")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    fdoc = FingerprintDoc(fingerprint=fp, hash=fp.hash).to_json_dict()
+    atomic_write(tmp / "fingerprint.json", dumps(fdoc))
+    atomic_write(tmp / SERVING_FILE, dumps(doc))
+    atomic_write_text(tmp / REPORT_FILE, render_report(doc))
+    write_manifest(tmp, bundle_id=bundle.name, milestone=milestone)
+    if bundle.exists():
+        shutil.rmtree(bundle)
+    tmp.rename(bundle)
+    return bundle
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -666,11 +727,32 @@ def main() -> None:
     g.add_argument("--tail-chunks", type=int, default=4)
     s = sub.add_parser("summary", help="the issue's figures from hooked.json or healing.json")
     s.add_argument("raw")
+    p = sub.add_parser("publish", help="the evidence bundle from hooked.json and healing.json")
+    p.add_argument("hooked", type=Path, help="the raw output of the hooked run")
+    p.add_argument("healing", type=Path, help="the raw output of the healing run")
+    p.add_argument("bundle", type=Path, help="the bundle to write (replaced if present)")
+    p.add_argument("--notes", type=Path, default=None, help="analysis paragraphs for report.md")
+    p.add_argument("--steps", type=int, default=400, help="the healing run's --steps")
+    p.add_argument("--chunk", type=int, default=25, help="the healing run's --chunk")
+    p.add_argument("--tail-chunks", type=int, default=4, help="the healing run's --tail-chunks")
+    p.add_argument("--ladder-reps", type=int, default=3, help="the healing run's --ladder-reps")
     a = ap.parse_args()
     if a.cmd == "hooked":
         run_hooked(a)
     elif a.cmd == "healing":
         run_healing(a)
+    elif a.cmd == "publish":
+        out = publish(
+            a.hooked,
+            a.healing,
+            a.bundle,
+            notes_path=a.notes,
+            steps=a.steps,
+            chunk=a.chunk,
+            tail_chunks=a.tail_chunks,
+            ladder_reps=a.ladder_reps,
+        )
+        print(f"wrote {out}", flush=True)
     else:
         doc = json.loads(Path(a.raw).read_text())
         if "ladder" in doc or "healing" in doc or "clean" in doc:

@@ -573,7 +573,8 @@ class _BundleAudit:
     def check_claims(
         self, contents: dict[str, bytes], runs: dict[str, Any], traces: dict[str, Any]
     ) -> None:
-        """The peers and lean-layer claims (``peers.json``, ``lean_layer.json``), if present."""
+        """The peers, lean-layer and serving claims (``peers.json``, ``lean_layer.json``,
+        ``serving.json``), if present."""
         tol = (self.opt.rel_tol, self.opt.abs_tol)
         if "peers.json" in contents:
             doc = self.parse("peers.json", contents["peers.json"], "mxdb.peers")
@@ -587,6 +588,12 @@ class _BundleAudit:
                 from mxdb.audit.lean_layer import check_lean_layer
 
                 check_lean_layer(self, "lean_layer.json", doc, tol)
+        if "serving.json" in contents:
+            doc = self.parse("serving.json", contents["serving.json"], "mxdb.serving")
+            if doc is not None:
+                from mxdb.audit.serving import check_serving
+
+                check_serving(self, "serving.json", doc, tol, contents.get("report.md"))
 
     def check_tuning_cost(self, contents: dict[str, bytes], runs: dict[str, Any]) -> None:
         from mxdb.audit.tuning_cost import TUNING_COST_NAME, check_tuning_cost

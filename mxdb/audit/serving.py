@@ -1,0 +1,282 @@
+"""The audit of a serving claim (``serving.json``, ``mxdb.serving``): every figure from raw samples.
+
+Checks, on a schema-valid document: its fingerprint is the bundle's; every timing sample and
+tokens/s chunk is a finite positive number; the hooked points' arms have one sample per round
+(``setup.rounds``) and the point's order seed is its token count (the benchmark's); the healing
+part's chunk counts fit its setup (steps, chunk, ladder repetitions) and the static phase
+slowed ``steps x slowed layers`` calls.  Then the whole document is rebuilt with
+:func:`mxdb.evidence.serving.build_serving` (the writer's own function, which judges every
+point with :func:`mxdb.verdict.compare`) from its inputs and compared leaf by leaf within the
+audit's tolerance, and each target's threshold, measured value and verdict are checked.
+``report.md``, when present, must be exactly :func:`mxdb.evidence.serving.render_report` of
+the document.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from mxdb.audit.findings import FindingSink
+from mxdb.audit.peers import Path_, check_targets, compare_claims
+from mxdb.evidence import stats
+from mxdb.evidence.serving import (
+    ARMS,
+    HEALING_INPUTS,
+    HOOKED_INPUTS,
+    SMALL_TOKENS_MAX,
+    TARGETS,
+    build_serving,
+    flat_figures,
+    hook_path,
+    render_report,
+)
+
+FALLBACK_PATHS = ("lean_fallback", "flaggems_fallback")
+
+#: At most this many findings of one per-sample check.
+MAX_ROW_FINDINGS = 20
+
+_POINT_CODES: dict[str, str] = {
+    "median_us": "median_mismatch",
+    "stock_median_us_after_hooked": "median_mismatch",
+    "stock_median_us_otherwise": "median_mismatch",
+    "speedup": "speedup_mismatch",
+    "speedup_low": "speedup_mismatch",
+    "speedup_high": "speedup_mismatch",
+    "median_ratio": "speedup_mismatch",
+    "noise_band": "noise_band_mismatch",
+    "control_pair_band": "noise_band_mismatch",
+    "outcome": "verdict_mismatch",
+    "verdict_reason": "verdict_mismatch",
+    "rounds_hooked_slower": "verdict_mismatch",
+    "slower_by_median_rule": "verdict_mismatch",
+}
+
+
+def _code(path: Path_) -> str:
+    keys = [str(k) for k in path if not isinstance(k, int)]
+    if keys[:2] == ["hooked", "points"] and len(keys) >= 3:
+        return "serving." + _POINT_CODES.get(keys[2], "field_mismatch")
+    if keys[:2] == ["hooked", "figures"] and len(keys) >= 3:
+        k = keys[2]
+        if "geomean" in k:
+            return "serving.geomean_mismatch"
+        if k == "capture_ok":
+            return "serving.capture_mismatch"
+        return "serving.count_mismatch"
+    if keys[:2] == ["healing", "figures"] and len(keys) >= 3:
+        k = keys[2]
+        if k.startswith("ladder"):
+            return "serving.overhead_mismatch"
+        if k.startswith("transitions") or k == "final_active":
+            return "serving.transition_mismatch"
+        if "_over_" in k:
+            return "serving.ratio_mismatch"
+        return "serving.throughput_mismatch"
+    return "serving.field_mismatch"
+
+
+def _samples_ok(sink: FindingSink, rel: str, doc: Mapping[str, Any]) -> bool:
+    bad = 0
+    series: list[tuple[str, list[Any]]] = []
+    for i, p in enumerate(doc["hooked"]["points"]):
+        series += [(f"hooked.points[{i}].samples.{k}", p["samples"][k]) for k in ARMS]
+    smp = doc["healing"]["samples"]
+    for k, v in smp.items():
+        if k == "ladder":
+            series += [(f"healing.samples.ladder.{r}", xs) for r, xs in v.items()]
+        else:
+            series.append((f"healing.samples.{k}", v))
+    for where, xs in series:
+        invalid = [j for j, x in enumerate(xs) if not stats.valid_sample(x)]
+        if invalid:
+            bad += 1
+            if bad <= MAX_ROW_FINDINGS:
+                j = invalid[0]
+                sink.add(
+                    "serving.sample_invalid",
+                    rel,
+                    f"{where}[{j}]",
+                    "a finite positive number",
+                    xs[j],
+                    f"{len(invalid)} invalid sample(s)",
+                )
+    return bad == 0
+
+
+def _layout_ok(sink: FindingSink, rel: str, doc: Mapping[str, Any]) -> bool:
+    ok = True
+
+    def add(field: str, want: Any, got: Any, msg: str) -> None:
+        nonlocal ok
+        ok = False
+        sink.add("serving.layout_mismatch", rel, field, want, got, msg)
+
+    hk = doc["hooked"]
+    rounds = hk["setup"]["rounds"]
+    if hk["setup"]["small_tokens_max"] != SMALL_TOKENS_MAX:
+        add(
+            "hooked.setup.small_tokens_max",
+            SMALL_TOKENS_MAX,
+            hk["setup"]["small_tokens_max"],
+            "the issue's small points are those with M at most 16",
+        )
+    for i, p in enumerate(hk["points"]):
+        lens = {k: len(p["samples"][k]) for k in ARMS}
+        if set(lens.values()) != {rounds}:
+            add(
+                f"hooked.points[{i}].samples",
+                f"{rounds} samples per arm (one per round)",
+                lens,
+                "the arms' samples are not one per round: no paired rounds",
+            )
+        want_path = hook_path(p["hook_stats"])
+        if p["path"] != want_path:
+            add(
+                f"hooked.points[{i}].path",
+                want_path,
+                p["path"],
+                "the path is not the one the point's hook counters give",
+            )
+        if (p["decision"]["config"] is None) != (p["path"] in FALLBACK_PATHS):
+            add(
+                f"hooked.points[{i}].path",
+                "a fallback path" if p["decision"]["config"] is None else "a dispatched path",
+                p["path"],
+                "the path contradicts the recorded dispatch decision",
+            )
+        if p["order_seed"] != p["tokens"]:
+            add(
+                f"hooked.points[{i}].order_seed",
+                p["tokens"],
+                p["order_seed"],
+                "the benchmark seeds each point's round order with its token count",
+            )
+    hl = doc["healing"]
+    s, smp = hl["setup"], hl["samples"]
+    layers = s["model"].get("layers")
+    if not isinstance(layers, int) or isinstance(layers, bool) or layers < 1:
+        add("healing.setup.model.layers", "a positive layer count", layers, "no layer count")
+    rungs = [k for k in (*smp["ladder"], *s["ladder_order"]) if k != "off"]
+    if any(not (k.isdigit() and int(k) > 0) for k in rungs):
+        add(
+            "healing.samples.ladder",
+            "off and sampling intervals N > 0",
+            sorted(smp["ladder"]),
+            "a ladder rung is neither off nor a sampling interval",
+        )
+        return False
+    steps, chunk = s["steps"], s["chunk"]
+    want = {
+        "clean": steps // chunk,
+        "static_clean": steps // 2 // chunk,
+        "static_injected": steps // chunk,
+        "healing_clean": steps // 2 // chunk,
+        "healing_injected": 2 * steps // chunk,
+    }
+    for k, n in want.items():
+        if len(smp[k]) != n:
+            add(
+                f"healing.samples.{k}",
+                f"{n} chunks",
+                f"{len(smp[k])} chunks",
+                "the phase's chunks do not fit its steps and chunk size",
+            )
+    if list(smp["ladder"]) and sorted(smp["ladder"]) != sorted(s["ladder_order"]):
+        add(
+            "healing.samples.ladder",
+            s["ladder_order"],
+            sorted(smp["ladder"]),
+            "the ladder's rungs are not the ones the setup names",
+        )
+    for k, v in smp["ladder"].items():
+        if len(v) != s["ladder_reps"]:
+            add(
+                f"healing.samples.ladder.{k}",
+                f"{s['ladder_reps']} repetitions",
+                len(v),
+                "a ladder rung's repetitions are not the setup's",
+            )
+    slowed = steps * len(s["slow_layers"])
+    if hl["slowed_calls"].get("static") != slowed:
+        add(
+            "healing.slowed_calls.static",
+            slowed,
+            hl["slowed_calls"].get("static"),
+            "the static phase's injection did not slow every call of the slowed layers",
+        )
+    return ok
+
+
+def check_serving(
+    sink: FindingSink,
+    rel: str,
+    doc: Mapping[str, Any],
+    tol: tuple[float, float],
+    report_md: bytes | None = None,
+    report_rel: str = "report.md",
+) -> None:
+    """Audit one schema-valid ``serving.json`` (and its ``report.md``, when given)."""
+    if sink.fp_hash is not None and doc["fingerprint_hash"] != sink.fp_hash:
+        sink.add(
+            "serving.fingerprint_mismatch",
+            rel,
+            "fingerprint_hash",
+            sink.fp_hash,
+            doc["fingerprint_hash"],
+            "the claim names another environment than the bundle's fingerprint",
+        )
+    if report_md is not None:
+        _check_report(sink, report_rel, doc, report_md)
+    if not _samples_ok(sink, rel, doc) or not _layout_ok(sink, rel, doc):
+        return  # figures of invalid or misshapen samples cannot be recomputed
+    hk, hl = doc["hooked"], doc["healing"]
+    recomputed = build_serving(
+        {**{k: hk[k] for k in HOOKED_INPUTS}, "points": hk["points"]},
+        {k: hl[k] for k in HEALING_INPUTS},
+        milestone=doc["milestone"],
+        fingerprint_hash=doc["fingerprint_hash"],
+        notes=doc["notes"],
+    )
+    claimed = {k: v for k, v in doc.items() if k != "targets"}
+    figures = flat_figures(recomputed)
+    recomputed.pop("targets")
+    compare_claims(sink, rel, claimed, recomputed, _code, tol)
+    check_targets(sink, rel, "serving", doc["targets"], TARGETS, figures, tol)
+    specs = {t.name: t for t in TARGETS}
+    for i, t in enumerate(doc["targets"]):
+        spec = specs.get(str(t.get("name")))
+        if spec is not None and t.get("statement") != spec.statement:
+            sink.add(
+                "serving.target_threshold_mismatch",
+                rel,
+                f"targets[{i}].statement",
+                spec.statement,
+                t.get("statement"),
+                f"target {spec.name}'s statement is not mxdb's",
+            )
+
+
+def _check_report(sink: FindingSink, rel: str, doc: Mapping[str, Any], md: bytes) -> None:
+    try:
+        want = render_report(doc).encode()
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        sink.add("serving.report_mismatch", rel, "", "a report", str(exc)[:160], "cannot render")
+        return
+    if md == want:
+        return
+    got_lines = md.decode("utf-8", "replace").splitlines()
+    want_lines = want.decode().splitlines()
+    line = next(
+        (i for i, (a, b) in enumerate(zip(got_lines, want_lines, strict=False)) if a != b),
+        min(len(got_lines), len(want_lines)),
+    )
+    sink.add(
+        "serving.report_mismatch",
+        rel,
+        f"line {line + 1}",
+        want_lines[line] if line < len(want_lines) else "(end of file)",
+        got_lines[line] if line < len(got_lines) else "(end of file)",
+        "report.md is not the rendering of serving.json (edited by hand?)",
+    )
