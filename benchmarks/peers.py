@@ -345,7 +345,8 @@ def publish(raw_path: Path, bundle: Path) -> None:
 
     from mxdb.evidence.files import atomic_write, dumps
     from mxdb.evidence.peers import PEERS_FILE, PeersDoc, build_peers, trace_figures
-    from mxdb.evidence.writer import BundleWriter, load_runs, write_manifest
+    from mxdb.evidence.summary import load_runs
+    from mxdb.evidence.writer import BundleWriter, write_manifest
     from mxdb.models import Fingerprint
     from mxdb.shapes import preset_shape
 

@@ -16,6 +16,7 @@ from typing import Any
 from mxdb.errors import EvidenceError, NotFoundError
 from mxdb.evidence.files import atomic_write, dumps
 from mxdb.evidence.models import SCHEMA_VERSION
+from mxdb.evidence.summary import build_summary
 from mxdb.fileio import load_json
 
 
@@ -188,8 +189,6 @@ def _plot(report: Mapping[str, Any], out_dir: Path) -> list[Path]:
 
 def write_report(bundle: Path, out_dir: Path, *, plots: bool = True) -> list[Path]:
     """Recompute a bundle's summary from its runs and write report.md, report.json and plots."""
-    from mxdb.evidence.writer import build_summary
-
     bundle = Path(bundle)
     summary_path = bundle / "summary.json"
     if not summary_path.is_file():

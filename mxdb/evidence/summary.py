@@ -24,12 +24,15 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from mxdb import pointverdict, verdict
+from mxdb.errors import EvidenceError
 from mxdb.evidence import stats
 from mxdb.evidence.models import FAILURE_STATUSES, SCHEMA_VERSION
 from mxdb.evidence.thresholds import THRESHOLDS, passes
+from mxdb.fileio import load_json
 from mxdb.models import MEASUREMENT_STATUSES
 from mxdb.shapes import DTYPE_BYTES
 
@@ -294,3 +297,30 @@ def false_verify(runs: Sequence[Run], by_group: Mapping[str, list[Run]]) -> dict
 
 def _positive(x: float | None) -> bool:
     return x is not None and x > 0 and x != float("inf")
+
+
+def load_runs(root: Path) -> list[dict[str, Any]]:
+    """The run documents of a bundle directory, as dicts."""
+    return [
+        load_json(p, what="run file", error=EvidenceError)
+        for p in sorted((Path(root) / "runs").glob("*.json"))
+    ]
+
+
+def build_summary(root: Path, *, bandwidth_bytes_per_s: float | None = None) -> dict[str, Any]:
+    """Summarize the runs of a bundle directory (standalone; the writer uses ``summarize``)."""
+    root = Path(root)
+    fp = load_json(root / "fingerprint.json", what="fingerprint", error=EvidenceError)
+    active: dict[str, int] = {}
+    for p in sorted((root / "traces").glob("*.json")):
+        t = load_json(p, what="trace file", error=EvidenceError)
+        active[t["trace_hash"]] = len({x for row in t["ids"] for x in row})
+    runs = load_runs(root)
+    milestone = runs[0]["milestone"] if runs else root.name
+    return summarize(
+        runs,
+        milestone=milestone,
+        fingerprint_hash=fp["hash"],
+        bandwidth_bytes_per_s=bandwidth_bytes_per_s,
+        active_experts=active,
+    )

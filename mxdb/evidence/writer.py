@@ -330,37 +330,6 @@ def write_manifest(root: Path, *, bundle_id: str, milestone: str) -> Manifest:
     return manifest
 
 
-def load_runs(root: Path) -> list[dict[str, Any]]:
-    """The run documents of a bundle directory, as dicts."""
-    from mxdb.fileio import load_json
-
-    return [
-        load_json(p, what="run file", error=EvidenceError)
-        for p in sorted((Path(root) / "runs").glob("*.json"))
-    ]
-
-
-def build_summary(root: Path, *, bandwidth_bytes_per_s: float | None = None) -> dict[str, Any]:
-    """Summarize the runs of a bundle directory (standalone; the writer uses ``summarize``)."""
-    from mxdb.fileio import load_json
-
-    root = Path(root)
-    fp = load_json(root / "fingerprint.json", what="fingerprint", error=EvidenceError)
-    active: dict[str, int] = {}
-    for p in sorted((root / "traces").glob("*.json")):
-        t = load_json(p, what="trace file", error=EvidenceError)
-        active[t["trace_hash"]] = len({x for row in t["ids"] for x in row})
-    runs = load_runs(root)
-    milestone = runs[0]["milestone"] if runs else root.name
-    return summarize(
-        runs,
-        milestone=milestone,
-        fingerprint_hash=fp["hash"],
-        bandwidth_bytes_per_s=bandwidth_bytes_per_s,
-        active_experts=active,
-    )
-
-
 def write_document_bundle(
     out_dir: Path,
     *,
