@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from mxdb.audit.compare import same
 from mxdb.audit.fastschema import compile_schema
 from mxdb.audit.findings import AuditOptions, AuditResult, BundleResult, Finding
 from mxdb.audit.store_export import (
@@ -68,22 +69,6 @@ def _fmt(x: Any) -> str:
 def fingerprint_hash(fp: Mapping[str, Any]) -> str:
     """``mxdb.models.Fingerprint.hash`` of a fingerprint dict, without pydantic."""
     return canonical_hash({k: fp.get(k) for k in FINGERPRINT_COMPONENTS})
-
-
-def _same(a: Any, b: Any, rel: float, abs_: float) -> bool:
-    """Deep equality with floats compared within tolerance (NaN equals NaN)."""
-    if isinstance(a, bool) or isinstance(b, bool):
-        return a is b
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        fa, fb = float(a), float(b)
-        if math.isnan(fa) or math.isnan(fb):
-            return math.isnan(fa) and math.isnan(fb)
-        return math.isclose(fa, fb, rel_tol=rel, abs_tol=abs_)
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k], rel, abs_) for k in a)
-    if isinstance(a, list) and isinstance(b, list):
-        return len(a) == len(b) and all(_same(x, y, rel, abs_) for x, y in zip(a, b, strict=True))
-    return bool(a == b) and type(a) is type(b)
 
 
 #: leaf field -> check suffix, for summary and report comparisons
@@ -970,12 +955,12 @@ class _BundleAudit:
                 elif k in ("groups", "rows"):
                     self.compare_keyed(prefix, file, sub, claimed[k], recomputed[k])
                 elif path.startswith("counts") or k == "counts":
-                    if not _same(claimed[k], recomputed[k], rel, abs_):
+                    if not same(claimed[k], recomputed[k], rel, abs_):
                         self.compare_counts(prefix, file, sub, claimed[k], recomputed[k])
                 else:
                     self.compare(prefix, file, sub, claimed[k], recomputed[k])
             return
-        if not _same(claimed, recomputed, rel, abs_):
+        if not same(claimed, recomputed, rel, abs_):
             leaf = path.rsplit(".", 1)[-1]
             if leaf.startswith("failures") or ".failures" in path or path.startswith("failures"):
                 leaf = "failures"
@@ -993,7 +978,7 @@ class _BundleAudit:
         if isinstance(claimed, dict) and isinstance(rec, dict):
             for k in sorted(set(claimed) | set(rec)):
                 self.compare_counts(prefix, file, f"{path}.{k}", claimed.get(k), rec.get(k))
-        elif not _same(claimed, rec, self.opt.rel_tol, self.opt.abs_tol):
+        elif not same(claimed, rec, self.opt.rel_tol, self.opt.abs_tol):
             self.add(
                 f"{prefix}.count_mismatch",
                 file,

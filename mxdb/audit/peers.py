@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from mxdb.audit.compare import same
 from mxdb.audit.findings import FindingSink
 from mxdb.evidence.peers import (
     DECODE_MAX_TOKENS,
@@ -33,12 +34,6 @@ from mxdb.evidence.peers import (
 from mxdb.shapes import preset_shape
 
 Path_ = tuple[str | int, ...]
-
-
-def _same(a: Any, b: Any, rel: float, abs_: float) -> bool:
-    from mxdb.audit.checks import _same as same
-
-    return same(a, b, rel, abs_)
 
 
 def _dotted(path: Path_) -> str:
@@ -81,7 +76,7 @@ def compare_claims(
         for i, (c, r) in enumerate(zip(claimed, recomputed, strict=True)):
             compare_claims(sink, rel, c, r, code_for, tol, (*path, i))
         return
-    if not _same(claimed, recomputed, *tol):
+    if not same(claimed, recomputed, *tol):
         sink.add(
             code_for(path),
             rel,
@@ -131,7 +126,7 @@ def check_targets(
         where = f"targets[{i}]"
         for key in ("figure", "comparison", "threshold"):
             want = getattr(spec, key)
-            if not _same(t.get(key), want, *tol):
+            if not same(t.get(key), want, *tol):
                 sink.add(
                     f"{prefix}.target_threshold_mismatch",
                     rel,
@@ -142,7 +137,7 @@ def check_targets(
                 )
         measured = figures.get(spec.figure)
         value = None if measured is None else float(measured)
-        if not _same(t.get("measured"), value, *tol):
+        if not same(t.get("measured"), value, *tol):
             sink.add(
                 f"{prefix}.target_measured_mismatch",
                 rel,
