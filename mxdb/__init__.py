@@ -12,8 +12,6 @@ flag_gems.  The GPU layer is ``mxdb.kernels``, imported only on demand.
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 from typing import TYPE_CHECKING, Any
 
 from mxdb.configs import GemmConfig, KernelConfig
@@ -21,6 +19,7 @@ from mxdb.decision import Decision
 from mxdb.dispatcher import Dispatcher, DispatchOptions, configure, dispatch
 from mxdb.errors import MxdbError
 from mxdb.shapes import MoEShape
+from mxdb.version import __version__
 
 if TYPE_CHECKING:
     from mxdb.runtime.hook import Hook

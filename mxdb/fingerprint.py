@@ -6,8 +6,8 @@ what it can know from installed distributions (versions via
 ``importlib.metadata``, the FlagGems fused-MoE source located with
 ``importlib.util.find_spec``, which does not import the package) and leaves
 the device components absent (``None``); the GPU layer passes the device facts
-it read in ``live``.  Nothing here imports torch, triton or flag_gems, except ``describe``
-on a GPU host, which reads this host's live fingerprint through ``mxdb.hostinfo``.
+it read in ``live``.  Nothing here imports torch, triton or flag_gems; this host's fingerprint
+(live on a GPU host) and its description are in ``mxdb.hostinfo``.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from mxdb import __version__
 from mxdb.errors import InvalidInputError, NotFoundError, UsageError
 from mxdb.models import FINGERPRINT_COMPONENTS, Fingerprint
+from mxdb.version import __version__
 
 #: Recorded facts of the environment that are data, not code: written beside the fingerprint
 #: (``fingerprint_document``, an evidence bundle's ``fingerprint.json``), never part of its
@@ -337,37 +337,6 @@ def load_fingerprint(path: str | os.PathLike[str]) -> Fingerprint:
     raw = read_bytes(p, limit=MAX_SMALL_BYTES, what="fingerprint file")
     data = parse_json(raw, what=f"fingerprint file {str(p)!r}")
     return parse_fingerprint(data, source=str(p))
-
-
-def describe(
-    other: str | os.PathLike[str] | None = None, *, offline: bool = False
-) -> dict[str, Any]:
-    """This host's fingerprint as a document, and its changes against a recorded one.
-
-    This host's is ``mxdb.hostinfo.host_fingerprint``: live on a GPU host, GPU-free with
-    ``offline`` or without a GPU.  Returns ``{"fingerprint": {...components, hash},
-    "source", "note", "absent": [...], "diff_against": path | None,
-    "changes": [{component, old, new}, ...]}``.
-    """
-    from mxdb.hostinfo import host_fingerprint
-
-    host = host_fingerprint(offline=offline)
-    current = host.fingerprint
-    result: dict[str, Any] = {
-        "fingerprint": fingerprint_document(current),
-        "source": host.source,
-        "note": host.note,
-        "absent": current.absent(),
-        "diff_against": None,
-        "changes": [],
-        "data": environment_data(),
-    }
-    if other is not None:
-        recorded_fp = load_fingerprint(other)
-        result["diff_against"] = str(other)
-        result["recorded_hash"] = recorded_fp.hash
-        result["changes"] = [c.model_dump() for c in diff(recorded_fp, current)]
-    return result
 
 
 # Recorded environments (DESIGN sections 6 and 9), for tests and comparisons.

@@ -21,8 +21,17 @@ import glob
 import os
 import shutil
 from dataclasses import dataclass
+from typing import Any
 
+from mxdb.fingerprint import (
+    collect,
+    diff,
+    environment_data,
+    fingerprint_document,
+    load_fingerprint,
+)
 from mxdb.models import Fingerprint
+from mxdb.version import __version__
 
 #: Files whose presence says a GPU driver is loaded (NVIDIA; MetaX's device node).
 DEVICE_FILES: tuple[str, ...] = (
@@ -72,8 +81,6 @@ def host_fingerprint(*, offline: bool = False) -> HostFingerprint:
 
     ``offline`` gives the GPU-free one even on a GPU host (and never imports torch).
     """
-    from mxdb.fingerprint import collect, load_fingerprint
-
     path = os.environ.get("MXDB_FINGERPRINT")
     if path:
         return HostFingerprint(load_fingerprint(path), "recorded", f"MXDB_FINGERPRINT={path}")
@@ -83,7 +90,6 @@ def host_fingerprint(*, offline: bool = False) -> HostFingerprint:
     if evidence is None:
         return HostFingerprint(collect(), "offline", "no GPU detected on this host")
     try:
-        from mxdb import __version__
         from mxdb.kernels.live import live_fingerprint_components
 
         # exactly what the tuner records (GpuBackend.fingerprint): the live components
@@ -95,3 +101,32 @@ def host_fingerprint(*, offline: bool = False) -> HostFingerprint:
             collect(), "offline", f"GPU detected ({evidence}) but not readable: {reason}"
         )
     return HostFingerprint(live, "live", f"read live (GPU detected: {evidence})")
+
+
+def describe(
+    other: str | os.PathLike[str] | None = None, *, offline: bool = False
+) -> dict[str, Any]:
+    """This host's fingerprint as a document, and its changes against a recorded one.
+
+    This host's is :func:`host_fingerprint`: live on a GPU host, GPU-free with
+    ``offline`` or without a GPU.  Returns ``{"fingerprint": {...components, hash},
+    "source", "note", "absent": [...], "diff_against": path | None,
+    "changes": [{component, old, new}, ...]}``.
+    """
+    host = host_fingerprint(offline=offline)
+    current = host.fingerprint
+    result: dict[str, Any] = {
+        "fingerprint": fingerprint_document(current),
+        "source": host.source,
+        "note": host.note,
+        "absent": current.absent(),
+        "diff_against": None,
+        "changes": [],
+        "data": environment_data(),
+    }
+    if other is not None:
+        recorded_fp = load_fingerprint(other)
+        result["diff_against"] = str(other)
+        result["recorded_hash"] = recorded_fp.hash
+        result["changes"] = [c.model_dump() for c in diff(recorded_fp, current)]
+    return result

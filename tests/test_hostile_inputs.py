@@ -274,7 +274,7 @@ def test_unexpected_errors_have_no_traceback_unless_debug(monkeypatch: Any) -> N
     def boom(*a: Any, **k: Any) -> Any:
         raise RuntimeError("kaboom")
 
-    monkeypatch.setattr("mxdb.fingerprint.describe", boom)
+    monkeypatch.setattr("mxdb.hostinfo.describe", boom)
     res = run("fingerprint")
     assert_clean(res, 1, "kaboom", "--debug")
     res = CliRunner().invoke(cli, ["fingerprint", "--debug"])

@@ -12,8 +12,8 @@ from typing import Any, TypeVar
 
 import click
 
-from mxdb import __version__
 from mxdb.errors import MxdbError
+from mxdb.version import __version__
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -83,7 +83,7 @@ def fingerprint_cmd(other: Path | None, offline: bool, as_json: bool) -> None:
     the others are marked absent.  With --diff, name the components that changed since
     OTHER.json.
     """
-    from mxdb.fingerprint import describe
+    from mxdb.hostinfo import describe
 
     doc = describe(other, offline=offline)
     if as_json:

@@ -14,11 +14,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from mxdb import __version__
 from mxdb.configs import GemmConfig, KernelConfig
 from mxdb.evidence.writer import BundleWriter
 from mxdb.models import Entry, Fingerprint
 from mxdb.shapes import MoEShape
+from mxdb.version import __version__
 
 H200 = Fingerprint(
     vendor="nvidia",

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from mxdb import __version__
 from mxdb.errors import InvalidInputError, MxdbError, UsageError
 from mxdb.fileio import atomic_write_json, atomic_write_text
 from mxdb.interop import flaggems, tables, vllm
 from mxdb.models import Entry, Fingerprint, utcnow
+from mxdb.version import __version__
 
 if TYPE_CHECKING:
     from mxdb.store import Store
