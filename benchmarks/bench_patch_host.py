@@ -42,12 +42,12 @@ from typing import Any
 
 import torch
 import transformers
+from mxdb.kernels.impls import torch_impls
 
 from mxdb.configs import config_hash
 from mxdb.dispatcher import Dispatcher, DispatchOptions
 from mxdb.fileio import atomic_write_text
 from mxdb.integrations import transformers as mxt
-from mxdb.integrations.impls import torch_impls
 from mxdb.models import Entry, Fingerprint
 from mxdb.store import Store
 

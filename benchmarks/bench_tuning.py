@@ -38,9 +38,10 @@ from mxdb.configs import KernelConfig
 from mxdb.evidence import stats
 from mxdb.evidence.files import trace_hash
 from mxdb.fileio import atomic_write_json
+from mxdb.results import Correctness, Timing
 from mxdb.shapes import MoEShape, preset_shape
 from mxdb.tune import traces
-from mxdb.tune.backend import Backend, Correctness, Timing
+from mxdb.tune.backend import Backend
 from mxdb.tune.search import PointInput, RoutingInput, search
 from mxdb.tune.space import SearchSpace, joint
 from mxdb.tune.workload import SearchOptions

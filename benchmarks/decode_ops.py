@@ -143,8 +143,8 @@ class ShapeRecorder:
 
 def decode_cases(model: Any, ids: torch.Tensor, steps: int) -> list[Any]:
     """The decode-op shapes ``model`` asks for over ``steps`` decode steps (every op patched)."""
+    from mxdb.decode_rule import DecodeCase
     from mxdb.integrations import transformers as mxt
-    from mxdb.tune.decode import DecodeCase
 
     rec = ShapeRecorder()
     mxt.patch(model, dispatcher=rec)

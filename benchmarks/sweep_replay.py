@@ -50,9 +50,9 @@ import numpy as np
 from mxdb.configs import GemmConfig, KernelConfig
 from mxdb.evidence.thresholds import THRESHOLDS
 from mxdb.models import Fingerprint
+from mxdb.results import CompileResult, Correctness, Timing
 from mxdb.routing import expert_counts
 from mxdb.shapes import MoEShape
-from mxdb.tune.backend import CompileResult, Correctness, Timing
 from mxdb.tune.space import SearchSpace
 
 #: Extra-M-tile cost (us) of GEMM1 and GEMM2 (their expert weights are 2I x H and H x I).
@@ -170,7 +170,7 @@ class SweepReplay:
 
     # -- protocol ----------------------------------------------------------------------------
     def fingerprint(self) -> Fingerprint:
-        from mxdb import __version__
+        from mxdb.version import __version__
 
         return Fingerprint(
             vendor="replay",

@@ -28,8 +28,8 @@ from mxdb.kernels.timing import time_interleaved
 
 from mxdb.configs import GemmConfig, KernelConfig
 from mxdb.models import Fingerprint
+from mxdb.results import CompileResult, Correctness, Timing
 from mxdb.shapes import MoEShape
-from mxdb.tune.backend import CompileResult, Correctness, Timing
 
 
 def flaggems_config(shape: MoEShape) -> dict[str, int]:
@@ -86,9 +86,9 @@ class GpuBackend:
 
     # -- environment ------------------------------------------------------------------------
     def fingerprint(self) -> Fingerprint:
-        import mxdb
+        from mxdb.version import __version__
 
-        return Fingerprint(**live_fingerprint_components(self.device_index), mxdb=mxdb.__version__)
+        return Fingerprint(**live_fingerprint_components(self.device_index), mxdb=__version__)
 
     def profile(self) -> Any:
         return live_profile(self.device_index)

@@ -201,7 +201,8 @@ def test_decode_gpu_backend_measures_and_checks() -> None:
     pytest.importorskip("triton")
     from mxdb.kernels.decode_backend import DecodeGpuBackend
 
-    from mxdb.tune.decode import DecodeCase, measure_case
+    from mxdb.decode_rule import DecodeCase
+    from mxdb.tune.decode import measure_case
 
     backend = DecodeGpuBackend()
     for case in (
@@ -227,8 +228,9 @@ def test_patched_model_on_gpu_close_to_stock(kind: str) -> None:
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("triton")
+    from mxdb.kernels.impls import available
+
     from mxdb.integrations import transformers as mxt
-    from mxdb.integrations.impls import available
 
     class Always:
         def dispatch(self, shape, routing=None):

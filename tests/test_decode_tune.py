@@ -10,14 +10,15 @@ from pathlib import Path
 import pytest
 
 from mxdb.audit.checks import audit_bundle
+from mxdb.decode_rule import DecodeCase, decide
 from mxdb.dispatcher import Dispatcher, DispatchOptions
 from mxdb.errors import UsageError
 from mxdb.evidence.decode import model_doc, write_decode_bundle
 from mxdb.models import Fingerprint
+from mxdb.results import Correctness, Timing
 from mxdb.shapes import OpShape
 from mxdb.store import Store
-from mxdb.tune.backend import Correctness, Timing
-from mxdb.tune.decode import DecodeCase, decide, tune_decode
+from mxdb.tune.decode import tune_decode
 
 FP = Fingerprint(vendor="nvidia", device_name="FakeGPU", triton="3.6.0", torch="2.11", mxdb="0.1")
 
@@ -185,7 +186,7 @@ def test_model_claims_recomputed(tmp_path: Path) -> None:
 
 
 def test_decide_without_control_keeps_torch() -> None:
-    from mxdb.tune.decode import Candidate
+    from mxdb.decode_rule import Candidate
 
     cands = [
         Candidate("torch", "baseline", "ok", (10.0,), 0.0, 0.0),

@@ -17,12 +17,12 @@ from click.testing import CliRunner
 from mxdb import Dispatcher, KernelConfig, MoEShape
 from mxdb.cli.app import cli
 from mxdb.configs import GemmConfig
+from mxdb.decode_rule import DecodeCase
 from mxdb.fingerprint import collect, fingerprint_document
 from mxdb.models import Entry, Fingerprint
+from mxdb.results import Correctness, Timing
 from mxdb.runtime.drift import check, guard, has_gpu_facts, reverify
 from mxdb.store import Store
-from mxdb.tune.backend import Correctness, Timing
-from mxdb.tune.decode import DecodeCase
 from mxdb.tune.fake import FakeBackend
 from mxdb.tune.workload import load_workload
 

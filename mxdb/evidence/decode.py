@@ -26,17 +26,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
+from mxdb.decode_rule import Candidate, DecodeResult, decide
 from mxdb.evidence import stats
 from mxdb.evidence.models import _HEX16, _Doc
 from mxdb.evidence.thresholds import THRESHOLDS, passes
 from mxdb.models import Fingerprint
-
-if TYPE_CHECKING:
-    from mxdb.tune.decode import DecodeResult
 
 DECODE_SCHEMA = "mxdb.decode"
 DECODE_VERSION = "1.0"
@@ -127,8 +125,6 @@ class DecodeDoc(_Doc):
 
 def case_claims(case: Mapping[str, Any]) -> dict[str, Any]:
     """The claims of a case recomputed from its candidates (the tuner's rule)."""
-    from mxdb.tune.decode import Candidate, decide
-
     cands = [
         Candidate(
             c["impl"],

@@ -596,7 +596,8 @@ def _reverify_decode(
     seed: int,
     tag: str,
 ) -> dict[str, Any]:
-    from mxdb.tune.decode import DecodeCase, _records, measure_case
+    from mxdb.decode_rule import DecodeCase
+    from mxdb.tune.decode import _records, measure_case
 
     try:
         case = DecodeCase(

@@ -2,14 +2,14 @@
 
 ``mxdb.kernels.backend.GpuBackend`` implements it on a GPU; ``mxdb.tune.fake.FakeBackend``
 implements it with an analytic cost model for CPU tests.  Failures (out of resources, compile
-errors, timeouts, wrong results) are *results*, never exceptions: the tuner records them.
+errors, timeouts, wrong results) are *results* (``mxdb.results``), never exceptions: the tuner
+records them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import numpy as np
@@ -17,43 +17,11 @@ if TYPE_CHECKING:
     from mxdb.configs import KernelConfig
     from mxdb.models import Fingerprint
     from mxdb.profiles import DeviceProfile
+    from mxdb.results import CompileResult, Correctness, Timing
     from mxdb.shapes import MoEShape
-
-CompileStatus = Literal["ok", "oor", "compile_error", "timeout"]
-TimingStatus = Literal["ok", "oor", "compile_error", "timeout", "wrong"]
 
 #: Timing methods a backend may be asked for.
 TIMING_METHODS: tuple[str, ...] = ("graph", "eager")
-
-
-@dataclass(frozen=True, slots=True)
-class CompileResult:
-    """The outcome of compiling one config for one shape."""
-
-    config_hash: str
-    status: CompileStatus
-    error: str | None
-    seconds: float
-
-
-@dataclass(frozen=True, slots=True)
-class Timing:
-    """Raw timing samples of one config (microseconds per layer call), or why there are none."""
-
-    status: TimingStatus
-    samples_us: tuple[float, ...]
-    error: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class Correctness:
-    """A whole-layer result compared with the float32 reference."""
-
-    max_abs_err: float
-    rel_err: float
-    threshold_abs: float
-    threshold_rel: float
-    passed: bool
 
 
 @runtime_checkable

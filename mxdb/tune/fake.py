@@ -33,8 +33,8 @@ import numpy as np
 from mxdb.configs import GemmConfig, KernelConfig
 from mxdb.evidence.thresholds import THRESHOLDS
 from mxdb.models import Fingerprint
+from mxdb.results import CompileResult, Correctness, Timing
 from mxdb.shapes import DTYPE_BYTES, MoEShape
-from mxdb.tune.backend import CompileResult, Correctness, Timing
 
 if TYPE_CHECKING:
     from mxdb.profiles import DeviceProfile
@@ -134,7 +134,7 @@ class FakeBackend:
     # -- the Backend protocol -------------------------------------------------------------
 
     def fingerprint(self) -> Fingerprint:
-        from mxdb import __version__
+        from mxdb.version import __version__
 
         return Fingerprint(
             vendor="fake",

@@ -41,8 +41,9 @@ from mxdb import pointverdict
 from mxdb.configs import GemmConfig, KernelConfig
 from mxdb.evidence import stats
 from mxdb.models import Measurement
+from mxdb.results import Correctness, Timing
 from mxdb.shapes import MoEShape
-from mxdb.tune.backend import Backend, Correctness, Timing
+from mxdb.tune.backend import Backend
 from mxdb.tune.space import GRID_VALUES, SearchSpace, align_for
 from mxdb.tune.workload import SearchOptions
 
