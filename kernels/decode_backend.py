@@ -1,74 +1,27 @@
-"""The decode tuner's GPU backend, and FlagGems' decode ops behind mxdb's op signatures.
+"""The decode tuner's GPU backend.
 
 ``DecodeGpuBackend`` implements :class:`mxdb.tune.decode.DecodeBackend`: inputs from a seed,
 every implementation timed on the same inputs with CUDA-graph replays interleaved
 (:func:`mxdb.kernels.timing.time_interleaved`), outputs compared with the float32 references of
 :mod:`mxdb.kernels.decode_ref`.
 
-``flaggems_ops()`` adapts FlagGems 5.0.2 (``flag_gems.ops.rms_norm``,
-``flag_gems.fused.fused_add_rms_norm`` (in place: it is given copies),
-``flag_gems.fused.apply_rotary_pos_emb``, ``flag_gems.ops.softmax`` after a torch scale + mask,
-``flag_gems.fused.silu_and_mul``) to the signatures of :mod:`mxdb.integrations.impls`.
+The implementations it measures are :func:`mxdb.kernels.impls.available`'s (FlagGems' behind
+mxdb's op signatures: :mod:`mxdb.kernels.decode_flaggems`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from mxdb.kernels import decode_ref
 
 from mxdb.models import Fingerprint
+from mxdb.results import Correctness, Timing
 from mxdb.shapes import canonical_dtype
-from mxdb.tune.backend import Correctness, Timing
 
 _TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def flaggems_ops() -> dict[str, Callable[..., Any]]:
-    import flag_gems
-    from flag_gems import fused as fg_fused
-    from flag_gems import ops as fg_ops
-
-    def rms_norm(x: Any, w: Any, eps: float) -> Any:
-        if w.dtype != x.dtype:  # FlagGems writes x's dtype; keep the model's promotion
-            return decode_ref.rms_norm(x, w, eps)
-        return fg_ops.rms_norm(x, [x.shape[-1]], w, eps)
-
-    def add_rms_norm(x: Any, r: Any, w: Any, eps: float) -> Any:
-        # FlagGems normalizes the float32 sum (the residual it writes is rounded separately)
-        y, h = fg_fused.fused_add_rms_norm(x.clone(), r.clone(), [x.shape[-1]], w, eps)
-        return y, h
-
-    def rope(q: Any, k: Any, cos: Any, sin: Any) -> Any:
-        bsz, _, seq, d = q.shape
-        half = d // 2
-        c = cos.expand(bsz, seq, d)[..., :half].reshape(bsz * seq, half).contiguous()
-        s = sin.expand(bsz, seq, d)[..., :half].reshape(bsz * seq, half).contiguous()
-        pos = torch.arange(bsz * seq, device=q.device).view(bsz, seq)
-        qt = q.transpose(1, 2)
-        kt = k.transpose(1, 2)
-        qo, ko = fg_fused.apply_rotary_pos_emb(qt, kt, c, s, pos, rotary_interleaved=False)
-        return qo.transpose(1, 2), ko.transpose(1, 2)
-
-    def masked_softmax(scores: Any, mask: Any, scale: float) -> Any:
-        x = scores.float() * scale
-        if mask is not None:
-            x = x + mask
-        return fg_ops.softmax(x, -1, False).to(scores.dtype)
-
-    def swiglu(gate: Any, up: Any) -> Any:
-        return fg_fused.silu_and_mul(gate, up)
-
-    del flag_gems
-    return {
-        "rms_norm": rms_norm,
-        "add_rms_norm": add_rms_norm,
-        "rope": rope,
-        "masked_softmax": masked_softmax,
-        "swiglu": swiglu,
-    }
 
 
 def make_inputs(case: Any, seed: int, device: str = "cuda") -> tuple[Any, ...]:
@@ -134,7 +87,7 @@ class DecodeGpuBackend:
     name = "gpu-decode"
 
     def __init__(self, device_index: int = 0, *, method: str = "graph") -> None:
-        from mxdb.integrations.impls import available
+        from mxdb.kernels.impls import available
 
         self.device = f"cuda:{device_index}"
         self.device_index = device_index
@@ -167,7 +120,7 @@ class DecodeGpuBackend:
         return [Timing("ok", tuple(s), None) for s in samples]
 
     def check(self, case: Any, impl: str, *, seed: int) -> Correctness:
-        from mxdb.evidence.thresholds import THRESHOLDS, passes
+        from mxdb.verdict import THRESHOLDS, passes
 
         args = make_inputs(case, seed + 1, self.device)
         t = THRESHOLDS[canonical_dtype(case.dtype)]

@@ -63,9 +63,9 @@ def fused_impls() -> dict[str, Callable[..., Any]]:
 
 
 def flaggems_impls() -> dict[str, Callable[..., Any]]:
-    from mxdb.kernels import decode_backend
+    from mxdb.kernels import decode_flaggems
 
-    ops: dict[str, Callable[..., Any]] = decode_backend.flaggems_ops()
+    ops: dict[str, Callable[..., Any]] = decode_flaggems.flaggems_ops()
     return ops
 
 

@@ -2,8 +2,8 @@
 
 Built once per (shape family, dtype, device) from the expert weights; called with
 ``(x, topk_weights, topk_ids)``.  The first call at a token count M asks ``config_for(M)`` once
-(``None`` means FlagGems' own choice for that call; :func:`dispatch_config_for` wires a
-:class:`mxdb.dispatcher.Dispatcher` or ``mxdb.dispatch``) and builds that M's workspace: a
+(``None`` means FlagGems' own choice for that call; :func:`mxdb.dispatcher.dispatch_config_for`
+wires a :class:`mxdb.dispatcher.Dispatcher` or ``mxdb.dispatch``) and builds that M's workspace: a
 :class:`~mxdb.kernels.pipeline.MoEPipeline` (every buffer, the alignment's scratch included),
 run once to compile and autotune, then recorded into a :class:`~mxdb.kernels.lean.LaunchPlan`.
 
@@ -50,25 +50,6 @@ def flaggems_kernel_config(shape: MoEShape) -> KernelConfig:
     return KernelConfig.uniform(
         GemmConfig.from_triton({k: v for k, v in raw.items() if k != "SWAP_AB"})
     )
-
-
-def dispatch_config_for(
-    family_shape: MoEShape, dispatcher: Any = None, routing: Any = None
-) -> ConfigFor:
-    """``config_for`` answering from ``dispatcher`` (default: ``mxdb.dispatch``) per token count.
-
-    A fallback decision (no verified entry) answers ``None``: the layer then uses FlagGems' own
-    choice for that token count.
-    """
-    if dispatcher is None:
-        from mxdb.dispatcher import dispatch as ask
-    else:
-        ask = dispatcher.dispatch
-
-    def config_for(tokens: int) -> KernelConfig | None:
-        return ask(family_shape.with_tokens(tokens), routing).config  # type: ignore[no-any-return]
-
-    return config_for
 
 
 def record_plan(

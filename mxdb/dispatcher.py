@@ -29,7 +29,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +40,8 @@ from mxdb.ops import parse_config
 from mxdb.shapes import MOE_OP
 
 if TYPE_CHECKING:
+    from mxdb.configs import KernelConfig
+    from mxdb.shapes import MoEShape
     from mxdb.store import DispatchRow, Store
 
 
@@ -641,3 +643,21 @@ def dispatch(shape: Any, routing: Any = None) -> Decision:
     if d is None:
         d = default_dispatcher()
     return d.dispatch(shape, routing)
+
+
+def dispatch_config_for(
+    family_shape: MoEShape, dispatcher: Any = None, routing: Any = None
+) -> Callable[[int], KernelConfig | None]:
+    """``config_for`` answering from ``dispatcher`` (default: ``mxdb.dispatch``) per token count.
+
+    What :class:`mxdb.kernels.layer.MoELayer` asks once per token count.  A fallback decision
+    (no verified entry) answers ``None``: the layer then uses FlagGems' own choice for that
+    token count.
+    """
+    ask = dispatch if dispatcher is None else dispatcher.dispatch
+
+    def config_for(tokens: int) -> KernelConfig | None:
+        config: KernelConfig | None = ask(family_shape.with_tokens(tokens), routing).config
+        return config
+
+    return config_for

@@ -81,9 +81,10 @@ def test_steady_path_allocates_nothing_and_is_capturable() -> None:
 
 def test_graphs_mode_and_dispatch_wiring() -> None:
     torch, w1, w2 = _setup()
-    from mxdb.kernels.layer import MoELayer, dispatch_config_for
+    from mxdb.kernels.layer import MoELayer
 
     from mxdb.configs import GemmConfig, KernelConfig
+    from mxdb.dispatcher import dispatch_config_for
 
     g1 = GemmConfig(block_m=16, block_n=64, block_k=64, group_m=1, num_warps=4, num_stages=3)
     g2 = GemmConfig(block_m=32, block_n=64, block_k=64, group_m=1, num_warps=4, num_stages=3)

@@ -18,10 +18,11 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from mxdb.kernels.impls import torch_impls  # noqa: E402
+
 from mxdb.configs import config_hash  # noqa: E402
 from mxdb.dispatcher import Dispatcher, DispatchOptions  # noqa: E402
 from mxdb.integrations import transformers as mxt  # noqa: E402
-from mxdb.integrations.impls import torch_impls  # noqa: E402
 from mxdb.models import Entry, Fingerprint  # noqa: E402
 from mxdb.store import Store  # noqa: E402
 

@@ -21,7 +21,7 @@ of:
 
 Each call asks ``dispatcher.dispatch(OpShape(op, dims, rows, dtype), None)`` (a cached dict
 lookup).  The decision's ``config["impl"]`` (``fused``, ``flaggems`` or ``torch``) picks the
-implementation from :mod:`mxdb.integrations.impls`; a fallback decision, or an implementation
+implementation from :mod:`mxdb.kernels.impls`; a fallback decision, or an implementation
 not usable in this process, runs the module's original code.  ``unpatch(model)`` restores
 every module exactly (the instance attributes are removed, the class's forward answers again).
 Models of other families are left untouched, with a warning naming what was skipped.
@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mxdb.errors import UsageError
-from mxdb.integrations.impls import DECODE_OPS
+from mxdb.kernels.impls import DECODE_OPS
 from mxdb.shapes import OpShape, canonical_dtype
 
 #: Every op ``patch`` can route (the decode ops and the MoE block).
@@ -492,9 +492,9 @@ def _mlp_forward(router: Router, mlp: Any) -> Callable[..., Any]:
 
 
 def _moe_usable() -> bool:
-    from mxdb.integrations.impls import flaggems_usable, fused_usable
+    from mxdb.kernels.impls import flaggems_usable, fused_usable
 
-    return fused_usable() and flaggems_usable()
+    return bool(fused_usable() and flaggems_usable())
 
 
 def _moe_forward(router: Router, block: Any) -> Callable[..., Any]:
@@ -515,7 +515,8 @@ def _moe_forward(router: Router, block: Any) -> Callable[..., Any]:
         key = hidden_states.dtype
         layer = layers.get(key)
         if layer is None:
-            from mxdb.kernels.layer import MoELayer, dispatch_config_for
+            from mxdb.dispatcher import dispatch_config_for
+            from mxdb.kernels.layer import MoELayer
 
             experts = block.experts
             layer = MoELayer(experts.gate_up_proj, experts.down_proj, _topk(block))
@@ -549,7 +550,7 @@ def patch(
     """Route ``model``'s decode ops (``ops``, default all of ``ALL_OPS``) through ``dispatcher``.
 
     ``dispatcher`` defaults to the process-wide one (``mxdb.configure``); ``impls`` to the
-    implementations usable here (:func:`mxdb.integrations.impls.available`).  Returns the
+    implementations usable here (:func:`mxdb.kernels.impls.available`).  Returns the
     patch state (also kept on the model): ``state.router.calls`` counts what ran.  Patching a
     patched model raises; ``unpatch`` first.
     """
@@ -560,7 +561,7 @@ def patch(
     if unknown:
         raise UsageError(f"unknown ops {unknown}; choose from {', '.join(ALL_OPS)}")
     if impls is None:
-        from mxdb.integrations.impls import available
+        from mxdb.kernels.impls import available
 
         impls = available()
     router = Router(dispatcher if dispatcher is not None else _default_dispatcher(), chosen, impls)
