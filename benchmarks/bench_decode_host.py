@@ -101,14 +101,14 @@ def bench(calls: int) -> list[dict[str, Any]]:
         entry = next(iter(ops.tables[op].values()))
         replay = entry[0]
         assert replay.mode == RECORDED, ops.paths()
-        whole = _best(lambda fn=fn, args=args: fn(*args), calls)
+        whole = _best(lambda fn=fn, args=args: fn(*args), calls)  # type: ignore[misc]
         out = fn(*args)
         outs = list(out) if isinstance(out, tuple) else [out]
         if op in ("rms_norm", "add_rms_norm", "masked_softmax"):  # scalar last
             vals = (*args[:-1], *outs, args[-1])
         else:
             vals = (*args, *outs)
-        alone = _best(lambda r=replay, v=vals: r(v), calls)
+        alone = _best(lambda r=replay, v=vals: r(v), calls)  # type: ignore[misc]
         rows.append(
             {
                 "op": op,

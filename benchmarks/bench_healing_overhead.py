@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -110,7 +111,7 @@ def main() -> None:
         np.ones((M, K), np.float32),
         ids,
     )
-    results: dict[str, object] = {}
+    results: dict[str, Any] = {}
     results["unhooked_us"] = _per_call_us(fm.fused_experts_impl, args, a.calls)
     mxdb.install(Dispatcher(store, FP), monitor_every=0)
     results["hooked_no_sampling_us"] = _per_call_us(fm.fused_experts_impl, args, a.calls)
@@ -122,7 +123,7 @@ def main() -> None:
         us = _per_call_us(fm.fused_experts_impl, args, a.calls)
         per_n[str(n)] = {
             "per_call_us": round(us, 4),
-            "overhead_vs_no_sampling_us": round(us - results["hooked_no_sampling_us"], 4),  # type: ignore[operator]
+            "overhead_vs_no_sampling_us": round(us - results["hooked_no_sampling_us"], 4),
             "monitor_copies": hook.stats()["monitor_copies"],
             "healing_samples": hook.stats()["healing_samples"],
         }
@@ -130,7 +131,7 @@ def main() -> None:
     results["sampling"] = per_n
     results["hook_overhead_us"] = round(
         results["hooked_no_sampling_us"] - results["unhooked_us"],
-        4,  # type: ignore[operator]
+        4,
     )
     doc = {
         "benchmark": "healing_overhead",
@@ -144,7 +145,7 @@ def main() -> None:
     atomic_write_json(a.out, doc)
     print(f"unhooked            {results['unhooked_us']:.3f} us/call")
     print(f"hooked, no sampling {results['hooked_no_sampling_us']:.3f} us/call")
-    for n, r in per_n.items():
+    for n, r in per_n.items():  # type: ignore[assignment]
         print(f"sampling every {n:>5}: {r['per_call_us']:.3f} us/call "
               f"(+{r['overhead_vs_no_sampling_us']:.3f} us)")  # fmt: skip
     print(f"wrote {a.out}")

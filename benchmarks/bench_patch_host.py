@@ -109,7 +109,7 @@ def stand_in_impls(b: int) -> dict[str, Any]:
 
 
 def config(attn: str) -> Any:
-    return transformers.Qwen3Config(
+    return transformers.Qwen3Config(  # type: ignore[call-arg]
         vocab_size=128, hidden_size=HIDDEN, intermediate_size=INTER, num_hidden_layers=2,
         num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
         max_position_embeddings=256, attn_implementation=attn,

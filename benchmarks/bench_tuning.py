@@ -582,7 +582,7 @@ def main_gpu(args: argparse.Namespace) -> int:
         )
     t0 = time.monotonic()
     run = _run_tasks if args.backend == "gpu" else functools.partial(_run_inline, "fake", args.seed)
-    first = run(devices, tasks) if args.backend == "gpu" else run(tasks)
+    first = run(devices, tasks) if args.backend == "gpu" else run(tasks)  # type: ignore[call-arg, arg-type]
     atomic_write_json(args.out / "bench_tuning_gpu_phase1.json", first)
     finals = []
     for i, pt in enumerate(points):
@@ -605,7 +605,7 @@ def main_gpu(args: argparse.Namespace) -> int:
         )
     second = {}
     if finals:
-        second = run(devices, finals) if args.backend == "gpu" else run(finals)
+        second = run(devices, finals) if args.backend == "gpu" else run(finals)  # type: ignore[call-arg, arg-type]
     doc = {
         "benchmark": "mxdb.bench_tuning",
         "backend": "gpu",
@@ -730,7 +730,7 @@ def main_reuse(args: argparse.Namespace) -> int:
     # the inputs): ~5 s on an H200, more than half of a point's budget; time FlagGems' choice
     # once, outside the meter, so that it does not land in the first point's search
     tw = time.monotonic()
-    shape0, ids0, _ = _point_traces(*first["point"], first["dtype"], first["seed"])
+    shape0, ids0, _ = _point_traces(*first["point"], first["dtype"], first["seed"])  # type: ignore[call-arg]
     backend.time(shape0, ids0, [backend.baseline_config(shape0)], reps=2, seed=first["seed"])
     warm_s += time.monotonic() - tw
     out_points = []

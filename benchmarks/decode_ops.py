@@ -56,7 +56,7 @@ class Forced:
 def dense_config() -> Any:
     import transformers
 
-    return transformers.Qwen3Config(
+    return transformers.Qwen3Config(  # type: ignore[call-arg]
         vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
         num_attention_heads=16, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
         tie_word_embeddings=True, attn_implementation="eager",
@@ -66,7 +66,7 @@ def dense_config() -> Any:
 def moe_config() -> Any:
     import transformers
 
-    return transformers.Qwen3MoeConfig(
+    return transformers.Qwen3MoeConfig(  # type: ignore[call-arg]
         vocab_size=32000, hidden_size=1024, intermediate_size=3072, moe_intermediate_size=384,
         num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
         num_experts=32, num_experts_per_tok=4, max_position_embeddings=4096,

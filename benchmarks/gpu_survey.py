@@ -192,7 +192,7 @@ def compile_survey(out: Path) -> dict:
     specs = [spec(*t) for t in tuples]
     rng = random.Random(0)
     control = [(t, gm) for t in rng.sample(tuples, 32) for gm in (16, 64)]
-    specs_c = [spec(*t, gm=gm) for t, gm in control]
+    specs_c = [spec(*t, gm=gm) for t, gm in control]  # type: ignore[misc]
     pool = CompilePool(0)
     t0 = time.perf_counter()
     pool.run([spec(16, 64, 64, 4, 2)], timeout_s=300)  # start the workers

@@ -237,7 +237,7 @@ def run(a: argparse.Namespace) -> None:
                     }
                     cfgs["c"] = dc.config if dc.config is not None else cfgs["a"]
                     cfgs["d"] = du.config if du.config is not None else cfgs["a"]
-                info = {
+                info: dict[str, Any] = {
                     "cfgs": cfgs,
                     "rclass": rclass,
                     "reasons": reasons,

@@ -202,7 +202,7 @@ class Bench:
                 torch.cuda.synchronize()
                 samples[label] += [st.elapsed_time(en) * 1000.0 for st, en in evs]
         self.fixed(None)
-        runs = []
+        runs: list[dict[str, Any]] = []
         for label, cfg in (("A", CFG_A), ("B", CFG_B)):
             runs.append({
                 "label": label, "config": cfg.model_dump(), "config_hash": cfg.hash,
@@ -415,7 +415,7 @@ def run(a: argparse.Namespace) -> int:
             streams: list[dict[str, Any]] = []
             raw.data["streams"] = streams
             for mode in ("static", "healing"):
-                s = raw.step(f"stream_{mode}", lambda m=mode: bench.stream(store, m, calls))
+                s = raw.step(f"stream_{mode}", lambda m=mode: bench.stream(store, m, calls))  # type: ignore[misc]
                 if s is not None:
                     streams.append(s)
                     raw.save()

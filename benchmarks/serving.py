@@ -547,8 +547,8 @@ def run_healing(a: argparse.Namespace) -> None:
         # warm up: every lean layer (the target and each alternative) built on every layer
         hook = install()
         x = x0
-        for d in alts:
-            dispatcher.set_override(shape, rc, d)
+        for alt in alts:
+            dispatcher.set_override(shape, rc, alt)
             for _ in range(3):
                 x = step(x)
         dispatcher.set_override(shape, rc, None)
@@ -644,7 +644,9 @@ def healing_summary(doc: dict[str, Any], tail: int = 4) -> dict[str, Any]:
     off = med(ladder.get("off"))
     out["ladder_tokens_per_s"] = {k: med(v) for k, v in ladder.items()}
     out["ladder_overhead"] = {
-        k: (1.0 - med(v) / off) if off and v else None for k, v in ladder.items() if k != "off"
+        k: (1.0 - med(v) / off) if off and v else None  # type: ignore[operator]
+        for k, v in ladder.items()
+        if k != "off"
     }
     return out
 

@@ -325,7 +325,7 @@ def simulate(
     points = bt._source_points(bundle)
     sp = points[point_index]
     pt = sp["point"]
-    shape, ids, _ = bt._point_traces(*pt, sp["dtype"], sp["seed"])
+    shape, ids, _ = bt._point_traces(*pt, sp["dtype"], sp["seed"])  # type: ignore[call-arg]
     table = SweepTable.load(bundle, sp["id"])
     backend = SweepReplay(table, shape, ids, seed=seed)
     backend.warm_up()

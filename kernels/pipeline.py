@@ -307,7 +307,7 @@ class MoEPipeline:
         else:
             out_steps.append(("torch", self._cnts.zero_))
             out_steps += [("triton", f) for f in self._align_stages(topk_ids)]
-            out_steps += [("torch", lambda d=d, s=s: d.copy_(s)) for d, s in self._expand]
+            out_steps += [("torch", lambda d=d, s=s: d.copy_(s)) for d, s in self._expand]  # type: ignore[misc]
         k1, k2, g1, g2 = self._k1, self._k2, self._grid1, self._grid2
         out_steps += [
             ("triton", lambda: fused_moe_kernel[g1](*a1, **k1)),

@@ -24,7 +24,9 @@ import torch
 METHODS = ("graph", "eager")
 
 
-def capture(fn: Callable[[], object], calls: int, stream: torch.cuda.Stream | None = None):
+def capture(
+    fn: Callable[[], object], calls: int, stream: torch.cuda.Stream | None = None
+) -> torch.cuda.CUDAGraph:
     """A CUDA graph of ``calls`` back-to-back calls of ``fn`` (already warmed up)."""
     graph = torch.cuda.CUDAGraph()
     side = stream if stream is not None else torch.cuda.Stream()
