@@ -36,20 +36,11 @@ import mxdb
 from mxdb import Dispatcher, DispatchOptions, KernelConfig, MoEShape
 from mxdb.configs import GemmConfig
 from mxdb.fileio import atomic_write_json
-from mxdb.models import ROUTING_CLASSES, Entry, Fingerprint
+from mxdb.fingerprint import recorded
+from mxdb.models import ROUTING_CLASSES, Entry
 from mxdb.store import Store
 
-FP = Fingerprint(
-    vendor="nvidia",
-    device_name="NVIDIA H200",
-    arch="sm_90",
-    sm_count=132,
-    smem_per_block=232448,
-    warp_size=32,
-    triton="3.6.0",
-    flag_gems="5.0.2",
-    mxdb="0.1.0",
-)
+FP = recorded("h200")
 TOKENS = (
     1,
     2,

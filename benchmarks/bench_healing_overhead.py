@@ -25,7 +25,8 @@ import mxdb
 from mxdb import Dispatcher, KernelConfig, MoEShape
 from mxdb.configs import GemmConfig
 from mxdb.fileio import atomic_write_json
-from mxdb.models import Entry, Fingerprint
+from mxdb.fingerprint import recorded
+from mxdb.models import Entry
 from mxdb.runtime.healing import HealingOptions
 from mxdb.store import Store
 
@@ -39,7 +40,7 @@ def fused_experts_impl(hidden_states, w1, w2, topk_weights, topk_ids, inplace=Fa
                           None, block_shape=None, E=w1.shape[0])
     return f(hidden_states.shape[0])
 """
-FP = Fingerprint(vendor="nvidia", device_name="NVIDIA H200", arch="sm_90", mxdb="0.1.0")
+FP = recorded("h200")
 E, H, I, K, M = 64, 128, 64, 6, 64  # noqa: E741
 
 

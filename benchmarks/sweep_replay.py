@@ -170,22 +170,23 @@ class SweepReplay:
 
     # -- protocol ----------------------------------------------------------------------------
     def fingerprint(self) -> Fingerprint:
+        from mxdb.fingerprint import H200
         from mxdb.version import __version__
 
+        # the recorded H200's device facts; the software is the replay's, not a GPU stack's
         return Fingerprint(
-            vendor="replay",
-            device_name="NVIDIA H200 (recorded sweeps)",
-            arch="sm_90",
-            sm_count=132,
-            smem_per_block=232448,
-            warp_size=32,
-            driver="replay",
-            toolkit="replay",
-            torch=None,
-            triton=None,
-            flag_gems=None,
-            kernel_source_hash="0" * 16,
-            mxdb=__version__,
+            **{
+                **H200,
+                "vendor": "replay",
+                "device_name": "NVIDIA H200 (recorded sweeps)",
+                "driver": "replay",
+                "toolkit": "replay",
+                "torch": None,
+                "triton": None,
+                "flag_gems": None,
+                "kernel_source_hash": "0" * 16,
+                "mxdb": __version__,
+            }
         )
 
     def profile(self) -> Any:

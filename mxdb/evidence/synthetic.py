@@ -16,25 +16,13 @@ from typing import Any
 
 from mxdb.configs import GemmConfig, KernelConfig
 from mxdb.evidence.writer import BundleWriter
+from mxdb.fingerprint import recorded
 from mxdb.models import Entry, Fingerprint
 from mxdb.shapes import MoEShape
 from mxdb.version import __version__
 
-H200 = Fingerprint(
-    vendor="nvidia",
-    device_name="NVIDIA H200",
-    arch="sm_90",
-    sm_count=132,
-    smem_per_block=232448,
-    warp_size=32,
-    driver="570.124.06",
-    toolkit="cuda-12.8",
-    torch="2.8.0",
-    triton="3.4.0",
-    flag_gems="5.0.2",
-    kernel_source_hash="3f9c2a1b0d4e5f67",
-    mxdb="0.1.0",
-)
+#: The recorded H200 host (``mxdb.fingerprint.H200``) that synthetic bundles claim.
+H200 = recorded("h200")
 
 _BY_HASH: dict[str, KernelConfig] = {}
 ANCHOR = KernelConfig.uniform(GemmConfig(block_m=16, block_n=128, block_k=64, num_warps=4))
