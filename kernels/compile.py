@@ -22,6 +22,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from mxdb.resources import VLLM_GRID
+
 _WORKER_DEVICE = 0
 _IN_WORKER = False
 
@@ -225,11 +227,12 @@ def combine(results: Sequence[dict[str, Any]]) -> tuple[str, str | None, float]:
 
 def vllm_grid_tuples() -> list[tuple[int, int, int, int, int]]:
     """The 480 distinct compilations of vLLM's 1,920-config grid: (M, N, K, warps, stages)."""
+    grid = VLLM_GRID
     return [
         (bm, bn, bk, w, s)
-        for bm in (16, 32, 64, 128, 256)
-        for bn in (32, 64, 128, 256)
-        for bk in (64, 128, 256)
-        for w in (4, 8)
-        for s in (2, 3, 4, 5)
+        for bm in grid["block_m"]
+        for bn in grid["block_n"]
+        for bk in grid["block_k"]
+        for w in grid["num_warps"]
+        for s in grid["num_stages"]
     ]

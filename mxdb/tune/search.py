@@ -41,10 +41,11 @@ from mxdb import pointverdict
 from mxdb.configs import GemmConfig, KernelConfig
 from mxdb.evidence import stats
 from mxdb.models import Measurement
+from mxdb.resources import VLLM_GRID
 from mxdb.results import Correctness, Timing
 from mxdb.shapes import MoEShape
 from mxdb.tune.backend import Backend
-from mxdb.tune.space import GRID_VALUES, SearchSpace, align_for
+from mxdb.tune.space import SearchSpace, align_for
 from mxdb.tune.workload import SearchOptions
 
 #: Configs per backend.time() call in the synthetic rungs (the budget is checked in between).
@@ -533,7 +534,7 @@ def _refine(
             if which == "gemm1":
                 # the alignment block couples the GEMMs: a larger BLOCK_SIZE_M pads the other
                 # GEMM's experts too, so block_m also moves for both GEMMs at once
-                for bm in GRID_VALUES["block_m"]:
+                for bm in VLLM_GRID["block_m"]:
                     if bm != g1.block_m or bm != g2.block_m:
                         j1, j2 = _with_bm(g1, bm), _with_bm(g2, bm)
                         if j1 is not None and j2 is not None:

@@ -9,28 +9,18 @@ that cannot fit the device before anything is compiled.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from mxdb.configs import GemmConfig, KernelConfig
 from mxdb.errors import ConfigError
+from mxdb.resources import VLLM_GRID
 from mxdb.shapes import MoEShape
 
 if TYPE_CHECKING:
     from mxdb.profiles import DeviceProfile
     from mxdb.store import Store
-
-#: The values of each GemmConfig field in vLLM's tuning grid (benchmark_moe.py).
-GRID_VALUES: dict[str, tuple[int, ...]] = {
-    "block_m": (16, 32, 64, 128, 256),
-    "block_n": (32, 64, 128, 256),
-    "block_k": (64, 128, 256),
-    "group_m": (1, 16, 32, 64),
-    "num_warps": (4, 8),
-    "num_stages": (2, 3, 4, 5),
-}
 
 
 def gemm_grid() -> list[GemmConfig]:
@@ -129,7 +119,7 @@ class SearchSpace:
         """
         out: list[GemmConfig] = []
         base = g.model_dump()
-        for name, values in GRID_VALUES.items():
+        for name, values in VLLM_GRID.items():
             cur = base[name]
             if line:
                 steps = [v for v in values if v != cur]
@@ -182,15 +172,6 @@ def peer_seeds(store: Store, shape: MoEShape) -> list[KernelConfig]:
             )
         out.append(cfg)
     return out
-
-
-def private_grid() -> list[GemmConfig]:
-    """vLLM's grid built from :data:`GRID_VALUES` (the same 1,920 points)."""
-    keys = list(GRID_VALUES)
-    return [
-        GemmConfig(**dict(zip(keys, vals, strict=True)))
-        for vals in itertools.product(*(GRID_VALUES[k] for k in keys))
-    ]
 
 
 def _as_gemm(g: Any) -> GemmConfig:
