@@ -158,7 +158,16 @@ class MoEShape(tuple):  # type: ignore[type-arg]
         """Bytes of expert weights a call must read: active experts x 3 x H x I x bytes per element."""
         e, h, i, k, m = (int(x) for x in self[2:])
         e_active = active_experts if active_experts is not None else min(e, k * m)
-        return e_active * 3 * h * i * DTYPE_BYTES[str(self[1])]
+        return memory_floor_bytes(e_active, h, i, str(self[1]))
+
+
+def memory_floor_bytes(active_experts: int, hidden: int, intermediate: int, dtype: str) -> int:
+    """Bytes of expert weights a call must read: active experts x 3 x H x I x bytes per element.
+
+    The memory-bound floor of every report and claim (its time is these bytes / bandwidth); an
+    unknown dtype counts 2 bytes per element.
+    """
+    return active_experts * 3 * hidden * intermediate * DTYPE_BYTES.get(dtype, 2)
 
 
 #: Model presets: (experts, hidden, intermediate, topk) of the routed-expert MoE layer, unsharded

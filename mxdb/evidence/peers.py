@@ -65,7 +65,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from mxdb import verdict
 from mxdb.evidence import stats
 from mxdb.evidence.models import _FROZEN, _Doc
-from mxdb.shapes import DTYPE_BYTES
+from mxdb.shapes import memory_floor_bytes
 
 PEERS_FILE = "peers.json"
 SCHEMA = "mxdb.peers"
@@ -486,8 +486,10 @@ def point_figures(
         if s is not None:
             emed[lab] = stats.median(s)
     shape = runs[str(labels["c"])]["shape"]
-    floor = active_experts * 3 * shape["hidden"] * shape["intermediate"]
-    floor = floor * DTYPE_BYTES.get(shape["dtype"], 2) / bandwidth_bytes_per_s * 1e6
+    floor_bytes = memory_floor_bytes(
+        active_experts, shape["hidden"], shape["intermediate"], shape["dtype"]
+    )
+    floor = floor_bytes / bandwidth_bytes_per_s * 1e6
     noise = stats.pair_noise(med["ctl1"], med["ctl2"])
     a, b, c = med["a"], med["b"], med["c"]
     d = med.get("d", c)

@@ -34,7 +34,7 @@ from mxdb.evidence.models import FAILURE_STATUSES, SCHEMA_VERSION
 from mxdb.evidence.thresholds import THRESHOLDS, passes
 from mxdb.fileio import load_json
 from mxdb.models import MEASUREMENT_STATUSES
-from mxdb.shapes import DTYPE_BYTES
+from mxdb.shapes import memory_floor_bytes
 
 ROLES: tuple[str, ...] = ("baseline", "candidate", "control", "peer")
 
@@ -142,8 +142,9 @@ def _summarize_group(
         active = active_experts.get(traces[0]) if len(traces) == 1 else None
         if active is None:
             active = min(shape["experts"], shape["topk"] * shape["tokens"])
-        floor_bytes = active * 3 * shape["hidden"] * shape["intermediate"]
-        floor_bytes *= DTYPE_BYTES.get(shape["dtype"], 2)
+        floor_bytes = memory_floor_bytes(
+            active, shape["hidden"], shape["intermediate"], shape["dtype"]
+        )
         floor_us = floor_bytes / bandwidth * 1e6
         ref = best_med if best_med is not None else base_med
         floor_fraction = floor_us / ref if ref else None
