@@ -23,7 +23,7 @@ import itertools
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import Field, ValidationError
 
@@ -33,6 +33,7 @@ from mxdb.evidence.models import _HEX16, _ID, ShapeDoc, _Doc
 from mxdb.models import Fingerprint
 from mxdb.profiles import DeviceProfile, profile_for_device_name
 from mxdb.resources import VLLM_GRID, estimate
+from mxdb.results import CompileStatus
 from mxdb.shapes import MoEShape
 
 SURVEY_SCHEMA = "mxdb.compile-survey"
@@ -42,8 +43,7 @@ SURVEY_FILE = "survey.json"
 PROXY_THRESHOLD = 0.95
 #: The fields that decide a compilation: GROUP_SIZE_M only reorders program ids at run time.
 COMPILE_KEY: tuple[str, ...] = ("block_m", "block_n", "block_k", "num_warps", "num_stages")
-CompileStatus = Literal["ok", "oor", "compile_error", "timeout"]
-COMPILE_STATUSES: tuple[str, ...] = ("ok", "oor", "compile_error", "timeout")
+COMPILE_STATUSES: tuple[str, ...] = get_args(CompileStatus)
 #: Failure kinds that are the device's resources running out (what the proxy models).
 RESOURCE_FAILURES: tuple[str, ...] = ("oor",)
 
