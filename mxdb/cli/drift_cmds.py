@@ -19,6 +19,17 @@ _POLICY = click.option(
 )
 
 
+#: Where a drift command measures: the GPU (mxdb.kernels) or the analytic fake backend.
+backend_option = click.option(
+    "--backend",
+    "backend_name",
+    type=click.Choice(["gpu", "fake"]),
+    default="gpu",
+    show_default=True,
+    help="Where to measure: the GPU (mxdb.kernels) or the analytic fake backend (demos, CI).",
+)
+
+
 @cli.group("drift")
 def drift_group() -> None:
     """Find entries made stale by an environment change, and guard against performance drift."""
@@ -115,14 +126,7 @@ def _print_check(report: dict[str, Any], dry_run: bool) -> None:
 
 @drift_group.command("reverify")
 @db_option
-@click.option(
-    "--backend",
-    "backend_name",
-    type=click.Choice(["gpu", "fake"]),
-    default="gpu",
-    show_default=True,
-    help="Where to measure: the GPU (mxdb.kernels) or the analytic fake backend (demos, CI).",
-)
+@backend_option
 @click.option(
     "--entry",
     "entry_ids",
@@ -203,14 +207,7 @@ def drift_reverify_cmd(
     show_default=True,
     help="Flag an entry whose speedup over FlagGems' choice moved more than this fraction.",
 )
-@click.option(
-    "--backend",
-    "backend_name",
-    type=click.Choice(["gpu", "fake"]),
-    default="gpu",
-    show_default=True,
-    help="Where to measure: the GPU (mxdb.kernels) or the analytic fake backend (demos).",
-)
+@backend_option
 @click.option(
     "--max-shapes",
     type=click.IntRange(min=1),

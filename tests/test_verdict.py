@@ -1,0 +1,186 @@
+"""The one verdict rule (mxdb.verdict) and the point decision built on it (mxdb.pointverdict)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from mxdb import pointverdict, verdict
+from mxdb.pointverdict import Arm
+
+
+def test_sign_rank_is_the_exact_binomial_order_statistic() -> None:
+    assert verdict.sign_rank(5) is None  # 2 * (1/32) > 0.05: no 95% interval
+    assert verdict.sign_rank(6) == 1  # P(X <= 0) = 1/64
+    assert verdict.sign_rank(16) == 4  # P(X <= 3) = 0.0106, P(X <= 4) = 0.0384
+    for n in (6, 10, 16, 30, 60):
+        k = verdict.sign_rank(n)
+        assert k is not None
+        coverage = 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2**n
+        assert coverage >= 0.95
+        wider = 1 - 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n
+        assert wider < 0.95  # k is the largest rank that keeps 95%
+
+
+def _rounds(rng: np.random.Generator, n: int, base: float, noise: float) -> list[float]:
+    return list(base * rng.lognormal(0.0, noise, n))
+
+
+def test_paired_speedup_cancels_drift_shared_by_a_round() -> None:
+    rng = np.random.default_rng(0)
+    drift = rng.lognormal(0.0, 0.2, 32)  # a round-wide slowdown, the same for every arm
+    base = [100.0 * d for d in drift]
+    cand = [95.0 * d for d in drift]
+    p = verdict.paired(base, cand)
+    assert p is not None and p.speedup == pytest.approx(100 / 95)
+    assert p.low == pytest.approx(100 / 95) and p.high == pytest.approx(100 / 95)
+
+
+def test_compare_outcomes() -> None:
+    rng = np.random.default_rng(1)
+    copies = [_rounds(rng, 24, 100.0, 0.003) for _ in range(3)]
+    faster = verdict.compare(copies, _rounds(rng, 24, 95.0, 0.003), margin=0.005)
+    assert faster.outcome == "faster" and faster.low is not None and faster.low > 1.005
+    slower = verdict.compare(copies, _rounds(rng, 24, 105.0, 0.003), margin=0.005)
+    assert slower.outcome == "slower" and slower.high is not None and slower.high < 0.995
+    same = verdict.compare(copies, _rounds(rng, 24, 100.0, 0.003), margin=0.005)
+    assert same.outcome == "same"
+    # a gain inside the margin is not a verification
+    small = verdict.compare(copies, _rounds(rng, 24, 99.7, 0.0005), margin=0.005)
+    assert small.outcome == "same"
+    # fewer than two copies: the noise is unknown, nothing is decided
+    one = verdict.compare(copies[:1], _rounds(rng, 24, 90.0, 0.003))
+    assert one.outcome == "same" and "noise is unknown" in one.reason
+    # rounds that do not pair (a failed arm lost samples) decide nothing either
+    assert verdict.compare(copies, [90.0] * 23).outcome == "same"
+    assert verdict.compare(copies, [90.0] * 23 + [math.nan]).outcome == "same"
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), noise=st.floats(0.0005, 0.05), n=st.integers(6, 40))
+def test_a_same_config_comparison_is_never_called_faster_and_slower(
+    seed: int, noise: float, n: int
+) -> None:
+    rng = np.random.default_rng(seed)
+    copies = [_rounds(rng, n, 100.0, noise) for _ in range(3)]
+    v = verdict.compare(copies, _rounds(rng, n, 100.0, noise))
+    assert not (v.faster and v.slower)
+    if v.speedup is not None and v.low is not None and v.high is not None:
+        assert v.low <= v.speedup <= v.high
+
+
+def test_false_verify_rate_on_simulated_aa_comparisons_is_low() -> None:
+    rng = np.random.default_rng(2)
+    groups = [[_rounds(rng, 16, 100.0, 0.01) for _ in range(3)] for _ in range(300)]
+    hits, total = verdict.false_verify_rate(groups, margin=0.005)
+    assert total == 900 and hits / total <= 0.01
+
+
+def test_a_fixed_order_bias_fools_a_median_band_but_not_a_random_order() -> None:
+    """A position bias (later arms slower) makes the first-timed copy look faster."""
+    from mxdb import KernelConfig, MoEShape
+    from mxdb.configs import GemmConfig
+    from mxdb.tune.fake import FakeBackend
+
+    shape = MoEShape(8, 4096, 14336, 2, 64, "bf16")
+    cfg = KernelConfig.uniform(GemmConfig(block_m=16, block_n=64, block_k=64))
+    ids = np.asarray([[i % 8, (i + 1) % 8] for i in range(64)], dtype=np.int64)
+    fixed = random = 0
+    for seed in range(40):
+        be = FakeBackend(seed=seed, noise=0.002, position_bias=0.004)
+        for order_seed, _ in ((None, "fixed"), (seed + 1000, "random")):
+            t = be.time(shape, ids, [cfg] * 4, reps=16, seed=seed, order_seed=order_seed)
+            cand, *copies = [list(x.samples_us) for x in t]
+            v = verdict.compare(copies, cand, margin=0.0)
+            if order_seed is None:
+                fixed += v.faster
+            else:
+                random += v.faster
+    assert fixed >= 30  # the first arm of every round gains 0.4-1.2%: "faster" almost always
+    assert random <= 2
+
+
+def _arm(rid: str, role: str, cfg: str, samples: list[float], comp: str = "replay",
+         correct: bool | None = True, tokens: int = 64, cls: str = "uniform") -> Arm:  # fmt: skip
+    return Arm(rid, role, cfg, "ok", tuple(samples), correct if role != "control" else None,
+               comp, tokens, cls, "t" * 16, 0.005)  # fmt: skip
+
+
+def _comparison(comp: str, arms: dict[str, tuple[str, str, float]], n: int = 16, seed: int = 0,
+                tokens: int = 64) -> list[Arm]:  # fmt: skip
+    rng = np.random.default_rng(seed)
+    drift = rng.lognormal(0.0, 0.01, n)
+    out = []
+    for rid, (role, cfg, us) in arms.items():
+        s = [us * d * x for d, x in zip(drift, rng.lognormal(0.0, 0.001, n), strict=True)]
+        out.append(_arm(f"{comp}-{rid}", role, cfg, s, comp, tokens=tokens))
+    return out
+
+
+COPIES = {"base": ("baseline", "B", 100.0), "ctl-a": ("control", "B", 100.0),
+          "ctl-b": ("control", "B", 100.0)}  # fmt: skip
+
+
+def test_decide_verifies_only_what_wins_every_held_out_instance() -> None:
+    replay = _comparison("replay", {**COPIES, "fin01": ("candidate", "W", 90.0)})
+    held = [
+        a
+        for i in range(3)
+        for a in _comparison(
+            f"heldout-{i + 1}", {**COPIES, "cand": ("candidate", "W", 92.0)}, seed=i + 1
+        )
+    ]
+    d = pointverdict.decide([*replay, *held])
+    assert d.status == "verified" and d.config_hash == "W" and d.confidence == 1.0
+    assert d.evidence == "replay-fin01" and d.speedup == pytest.approx(100 / 90, rel=0.01)
+    assert [v["won"] for v in d.validation] == [True, True, True]
+    # one held-out instance where it is not faster: FlagGems' choice stands at the key
+    lost = _comparison("heldout-3", {**COPIES, "cand": ("candidate", "W", 100.0)}, seed=9)
+    d2 = pointverdict.decide([*replay, *held[: 2 * 4], *lost])
+    assert d2.status == "baseline" and d2.config_hash == "B"
+    assert d2.confidence == pytest.approx(2 / 3) and "won 2 of 3" in d2.reason
+    # fewer held-out instances than required: not verified
+    d3 = pointverdict.decide([*replay, *held[:4]])
+    assert d3.status == "baseline" and "at least 3" in d3.reason
+
+
+def test_a_peer_row_that_beats_flaggems_sets_the_bar() -> None:
+    def held(cfg: str, us: float, peer_us: float | None = None) -> list[Arm]:
+        out: list[Arm] = []
+        for i in range(3):
+            arms = {**COPIES, "cand": ("candidate", cfg, us)}
+            if peer_us is not None:
+                arms["peer"] = ("peer", "P", peer_us)
+            out += _comparison(f"heldout-{i + 1}", arms, seed=i + 5)
+        return out
+
+    # the candidate is 1% faster than vLLM's row, within what the paired interval resolves
+    # at this noise: the entry is vLLM's row, verified as such
+    replay = _comparison(
+        "replay", {**COPIES, "fin01": ("candidate", "W", 89.9), "fin02": ("peer", "P", 90.0)}
+    )
+    d = pointverdict.decide([*replay, *held("P", 90.0)])
+    assert d.status == "verified" and d.config_hash == "P"
+    # clearly faster than vLLM's row too: the candidate, and held-out checks it against both
+    replay2 = _comparison(
+        "replay", {**COPIES, "fin01": ("candidate", "W", 80.0), "fin02": ("peer", "P", 90.0)}
+    )
+    d2 = pointverdict.decide([*replay2, *held("W", 80.0, 90.0)])
+    assert d2.status == "verified" and d2.config_hash == "W"
+    # on held-out routing it is slower than vLLM's row: not verified
+    d3 = pointverdict.decide([*replay2, *held("W", 95.0, 90.0)])
+    assert d3.status == "baseline"
+
+
+def test_wrong_results_and_nothing_compared() -> None:
+    wrong = [
+        *_comparison("replay", COPIES),
+        _arm("replay-fin01", "candidate", "W", [50.0] * 16, correct=False),
+    ]
+    d = pointverdict.decide(wrong)
+    assert d.status == "none"  # nothing correct was compared with FlagGems' choice
+    assert pointverdict.decide(_comparison("replay", COPIES)).status == "none"
