@@ -26,7 +26,7 @@ import yaml
 
 from mxdb.configs import KernelConfig
 from mxdb.errors import MxdbError, UsageError
-from mxdb.fingerprint import diff, mismatches
+from mxdb.fingerprint import LIVE_COMPONENTS, diff, mismatches
 from mxdb.models import Entry, Fingerprint
 from mxdb.shapes import MoEShape
 
@@ -49,15 +49,7 @@ _GUARD_ROUTINGS: dict[str, tuple[str, dict[str, Any]]] = {
 #: Fingerprint components that only a visible GPU (or its driver) can tell.  A fingerprint with
 #: none of them was taken where no GPU was seen (``mxdb fingerprint --offline``, a CPU-only CI
 #: job): it cannot judge whether entries measured on a GPU still hold.
-GPU_FACTS: tuple[str, ...] = (
-    "device_name",
-    "arch",
-    "sm_count",
-    "smem_per_block",
-    "warp_size",
-    "driver",
-    "toolkit",
-)
+GPU_FACTS: tuple[str, ...] = tuple(c for c in LIVE_COMPONENTS if c != "vendor")
 
 
 def has_gpu_facts(fp: Fingerprint) -> bool:
