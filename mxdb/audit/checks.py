@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from mxdb.audit.compare import same
+from mxdb.audit.compare import Tol, same
 from mxdb.audit.fastschema import compile_schema
 from mxdb.audit.findings import AuditOptions, AuditResult, BundleResult, Finding
 from mxdb.audit.store_export import (
@@ -96,6 +96,7 @@ class _BundleAudit:
         self.root = root
         self.label = label
         self.opt = options
+        self.tol: Tol = (options.rel_tol, options.abs_tol)
         self.findings: list[Finding] = []
         self.bundle_id: str | None = None
         self.milestone: str | None = None
@@ -401,14 +402,14 @@ class _BundleAudit:
             if survey is not None:
                 from mxdb.audit.survey import check_survey
 
-                check_survey(self, "survey.json", survey)
+                check_survey(self, "survey.json", survey, self.tol)
 
         if "decode.json" in contents:
             decode = self.parse("decode.json", contents["decode.json"], "mxdb.decode")
             if decode is not None:
                 from mxdb.audit.decode import check_decode
 
-                check_decode(self, "decode.json", decode)
+                check_decode(self, "decode.json", decode, self.tol)
                 for c in decode["cases"]:
                     claims = c.get("claims") or {}
                     if claims.get("winner"):
@@ -425,7 +426,7 @@ class _BundleAudit:
             if doc is not None:
                 from mxdb.audit.healing import check_healing
 
-                check_healing(self, "self_healing.json", doc, self.fp_hash)
+                check_healing(self, "self_healing.json", doc, self.fp_hash, self.tol)
 
         traces: dict[str, dict[str, Any]] = {}
         for rel in sorted(r for r in contents if r.startswith("traces/")):
@@ -513,9 +514,7 @@ class _BundleAudit:
                 "store_export.json", contents["store_export.json"], "mxdb.store-export"
             )
             if export is not None:
-                check_store_export(
-                    self, export, recomputed, runs, (self.opt.rel_tol, self.opt.abs_tol)
-                )
+                check_store_export(self, export, recomputed, runs, self.tol)
 
     # -- checks ------------------------------------------------------------------------
 
@@ -560,7 +559,7 @@ class _BundleAudit:
     ) -> None:
         """The peers, lean-layer and serving claims (``peers.json``, ``lean_layer.json``,
         ``serving.json``), if present."""
-        tol = (self.opt.rel_tol, self.opt.abs_tol)
+        tol = self.tol
         if "peers.json" in contents:
             doc = self.parse("peers.json", contents["peers.json"], "mxdb.peers")
             if doc is not None:
@@ -600,7 +599,7 @@ class _BundleAudit:
         if not isinstance(doc, dict):
             self.add("json.invalid", TUNING_COST_NAME, "", "a JSON object", doc, "not an object")
             return
-        check_tuning_cost(self, doc, contents, runs)
+        check_tuning_cost(self, doc, contents, runs, self.tol)
 
     def check_trace(self, rel: str, doc: dict[str, Any]) -> bool:
         ids = doc["ids"]
@@ -654,8 +653,7 @@ class _BundleAudit:
             )
             return
         med, p90 = stats.median(samples), stats.p90(samples)
-        rel_tol, abs_tol = self.opt.rel_tol, self.opt.abs_tol
-        if not math.isclose(t["median_us"], med, rel_tol=rel_tol, abs_tol=abs_tol):
+        if not same(t["median_us"], med, *self.tol):
             self.add(
                 "run.median_mismatch",
                 rel,
@@ -664,7 +662,7 @@ class _BundleAudit:
                 t["median_us"],
                 "median is not the median of the samples",
             )
-        if not math.isclose(t["p90_us"], p90, rel_tol=rel_tol, abs_tol=abs_tol):
+        if not same(t["p90_us"], p90, *self.tol):
             self.add(
                 "run.p90_mismatch",
                 rel,
@@ -939,7 +937,6 @@ class _BundleAudit:
 
     def compare(self, prefix: str, file: str, path: str, claimed: Any, recomputed: Any) -> None:
         """Recursive comparison of a claimed document with its recomputation."""
-        rel, abs_ = self.opt.rel_tol, self.opt.abs_tol
         if isinstance(claimed, dict) and isinstance(recomputed, dict):
             for k in sorted(set(claimed) | set(recomputed)):
                 sub = f"{path}.{k}" if path else k
@@ -955,12 +952,12 @@ class _BundleAudit:
                 elif k in ("groups", "rows"):
                     self.compare_keyed(prefix, file, sub, claimed[k], recomputed[k])
                 elif path.startswith("counts") or k == "counts":
-                    if not same(claimed[k], recomputed[k], rel, abs_):
+                    if not same(claimed[k], recomputed[k], *self.tol):
                         self.compare_counts(prefix, file, sub, claimed[k], recomputed[k])
                 else:
                     self.compare(prefix, file, sub, claimed[k], recomputed[k])
             return
-        if not same(claimed, recomputed, rel, abs_):
+        if not same(claimed, recomputed, *self.tol):
             leaf = path.rsplit(".", 1)[-1]
             if leaf.startswith("failures") or ".failures" in path or path.startswith("failures"):
                 leaf = "failures"
@@ -978,7 +975,7 @@ class _BundleAudit:
         if isinstance(claimed, dict) and isinstance(rec, dict):
             for k in sorted(set(claimed) | set(rec)):
                 self.compare_counts(prefix, file, f"{path}.{k}", claimed.get(k), rec.get(k))
-        elif not same(claimed, rec, self.opt.rel_tol, self.opt.abs_tol):
+        elif not same(claimed, rec, *self.tol):
             self.add(
                 f"{prefix}.count_mismatch",
                 file,
@@ -1152,11 +1149,12 @@ def audit_paths(
                 progress(res)
     findings.extend(_cross_bundle(results))
     resolved: list[dict[str, Any]] = []
-    findings.extend(resolve_deferred(results, resolved))
+    tol = (options.rel_tol, options.abs_tol)
+    findings.extend(resolve_deferred(results, resolved, tol))
     for p in paths:
         p = Path(p)
         for f in shipped_exports(p):
-            findings.extend(check_shipped_export(f, results, resolved))
+            findings.extend(check_shipped_export(f, results, resolved, tol))
     return AuditResult(bundles=tuple(results), findings=tuple(findings))
 
 

@@ -9,27 +9,17 @@ fingerprint.  A mismatch is a finding.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
+from mxdb.audit.compare import Tol, same
 from mxdb.audit.findings import FindingSink
 from mxdb.evidence import stats
 from mxdb.evidence.decode import STOCK, case_claims, model_claims
 from mxdb.evidence.thresholds import THRESHOLDS
 
 
-def _same(a: Any, b: Any) -> bool:
-    if a is None or b is None:
-        return a is b
-    if isinstance(a, bool) or isinstance(b, bool):
-        return a is b
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=1e-12)
-    return bool(a == b)
-
-
-def check_decode(sink: FindingSink, rel: str, doc: Mapping[str, Any]) -> None:
+def check_decode(sink: FindingSink, rel: str, doc: Mapping[str, Any], tol: Tol) -> None:
     """Add a finding for every claim of ``doc`` that its raw figures do not support."""
     if sink.fp_hash is not None and doc["fingerprint_hash"] != sink.fp_hash:
         sink.add(
@@ -69,7 +59,7 @@ def check_decode(sink: FindingSink, rel: str, doc: Mapping[str, Any]) -> None:
             continue
         rec = case_claims(case)
         for key, value in rec.items():
-            if not _same(case["claims"].get(key), value):
+            if not same(case["claims"].get(key), value, *tol):
                 sink.add(
                     "decode.claim_mismatch",
                     rel,
@@ -110,7 +100,7 @@ def check_decode(sink: FindingSink, rel: str, doc: Mapping[str, Any]) -> None:
         for name, figs in claims.items():
             for key, value in figs.items():
                 found = claimed.get(name, {}).get(key)
-                if not _same(found, value):
+                if not same(found, value, *tol):
                     sink.add(
                         "decode.claim_mismatch",
                         rel,

@@ -17,6 +17,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from mxdb.audit.compare import Tol, same
 from mxdb.audit.findings import FindingSink
 from mxdb.configs import config_hash
 from mxdb.errors import MxdbError
@@ -36,16 +37,8 @@ _CALL_CLAIMS = (
 )
 
 
-def _close(a: Any, b: Any) -> bool:
-    if a is None or b is None:
-        return a is b
-    if isinstance(a, (bool, str)) or isinstance(b, (bool, str)):
-        return bool(a == b)
-    return math.isclose(float(a), float(b), rel_tol=stats.REL_TOL, abs_tol=stats.ABS_TOL)
-
-
 def check_healing(
-    sink: FindingSink, rel: str, doc: Mapping[str, Any], fingerprint_hash: str | None
+    sink: FindingSink, rel: str, doc: Mapping[str, Any], fingerprint_hash: str | None, tol: Tol
 ) -> None:
     """Audit one schema-valid ``mxdb.self-healing`` document; findings go to ``sink.add``."""
     fp_hash = Fingerprint(**doc["fingerprint"]).hash
@@ -59,14 +52,14 @@ def check_healing(
                 doc["fingerprint_hash"],
                 f"fingerprint hash is not that of {what}",
             )
-    _check_calibration(sink, rel, doc)
+    _check_calibration(sink, rel, doc, tol)
     ok = _check_streams(sink, rel, doc)
     if not ok:
         return  # figures over malformed streams would only repeat the findings above
-    _check_claims(sink, rel, doc["claims"], healing_figures(doc))
+    _check_claims(sink, rel, doc["claims"], healing_figures(doc), tol)
 
 
-def _check_calibration(sink: FindingSink, rel: str, doc: Mapping[str, Any]) -> None:
+def _check_calibration(sink: FindingSink, rel: str, doc: Mapping[str, Any], tol: Tol) -> None:
     labels = [r["label"] for r in doc["calibration"]]
     if labels != list(doc["setup"]["candidates"]):
         sink.add(
@@ -104,7 +97,7 @@ def _check_calibration(sink: FindingSink, rel: str, doc: Mapping[str, Any]) -> N
             )
             continue
         med = stats.median(samples)
-        if not _close(med, run["median_us"]):
+        if not same(med, run["median_us"], *tol):
             sink.add(
                 "healing.calibration_mismatch",
                 rel,
@@ -247,10 +240,10 @@ def _check_streams(sink: FindingSink, rel: str, doc: Mapping[str, Any]) -> bool:
 
 
 def _check_claims(
-    sink: FindingSink, rel: str, claims: Mapping[str, Any], rec: Mapping[str, Any]
+    sink: FindingSink, rel: str, claims: Mapping[str, Any], rec: Mapping[str, Any], tol: Tol
 ) -> None:
     def diff(check: str, field: str, want: Any, got: Any, msg: str) -> None:
-        if not _close(want, got):
+        if not same(want, got, *tol):
             sink.add(check, rel, f"claims.{field}", want, got, msg)
 
     for mode in sorted(set(rec["throughput"]) | set(claims["throughput"])):

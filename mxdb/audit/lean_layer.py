@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from mxdb.audit.compare import Tol
 from mxdb.audit.findings import FindingSink
 from mxdb.audit.peers import Path_, check_targets, compare_claims
 from mxdb.configs import config_hash
@@ -118,9 +119,7 @@ def _point_problems(sink: FindingSink, rel: str, i: int, p: Mapping[str, Any]) -
     return bad
 
 
-def check_lean_layer(
-    sink: FindingSink, rel: str, doc: Mapping[str, Any], tol: tuple[float, float]
-) -> None:
+def check_lean_layer(sink: FindingSink, rel: str, doc: Mapping[str, Any], tol: Tol) -> None:
     """Audit one ``lean_layer.json``: samples, inputs, figures and targets."""
     if sink.fp_hash is not None and doc["fingerprint_hash"] != sink.fp_hash:
         sink.add(

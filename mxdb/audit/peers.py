@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from mxdb.audit.compare import same
+from mxdb.audit.compare import Tol, same
 from mxdb.audit.findings import FindingSink
 from mxdb.evidence.peers import (
     DECODE_MAX_TOKENS,
@@ -49,7 +49,7 @@ def compare_claims(
     claimed: Any,
     recomputed: Any,
     code_for: Callable[[Path_], str],
-    tol: tuple[float, float],
+    tol: Tol,
     path: Path_ = (),
 ) -> None:
     """A finding for each leaf where the claim differs from its recomputation."""
@@ -94,7 +94,7 @@ def check_targets(
     claimed: Sequence[Mapping[str, Any]],
     specs: Sequence[TargetSpec],
     figures: Mapping[str, Any],
-    tol: tuple[float, float],
+    tol: Tol,
 ) -> None:
     """Targets: present, with mxdb's threshold, the recomputed value and the right verdict."""
     by_name: dict[str, tuple[int, Mapping[str, Any]]] = {}
@@ -299,7 +299,7 @@ def check_peers(
     doc: Mapping[str, Any],
     runs: Mapping[str, Mapping[str, Any]],
     traces: Mapping[str, Mapping[str, Any]],
-    tol: tuple[float, float],
+    tol: Tol,
 ) -> None:
     """Audit one ``peers.json`` against the bundle's runs and traces."""
     if sink.fp_hash is not None and doc["fingerprint_hash"] != sink.fp_hash:

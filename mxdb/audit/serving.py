@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from mxdb.audit.compare import Tol
 from mxdb.audit.findings import FindingSink
 from mxdb.audit.peers import Path_, check_targets, compare_claims
 from mxdb.evidence import stats
@@ -213,7 +214,7 @@ def check_serving(
     sink: FindingSink,
     rel: str,
     doc: Mapping[str, Any],
-    tol: tuple[float, float],
+    tol: Tol,
     report_md: bytes | None = None,
     report_rel: str = "report.md",
 ) -> None:

@@ -14,13 +14,13 @@ from the export.
 from __future__ import annotations
 
 import json
-import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
 from mxdb import pointverdict
+from mxdb.audit.compare import TOL, Tol, same
 from mxdb.audit.findings import BundleResult, Finding, FindingSink
 from mxdb.configs import config_hash
 from mxdb.evidence.summary import family_of, group_key, run_passes
@@ -42,16 +42,6 @@ FIGURES = ("speedup", "noise_band", "median_us", "baseline_us", "confidence")
 STATUSES = ("verified", "baseline", "rejected")
 
 
-def _close(a: Any, b: Any, rel: float, abs_: float) -> bool:
-    if a is None or b is None:
-        return a is None and b is None
-    if not isinstance(a, (int, float)) or not isinstance(b, (int, float)):
-        return bool(a == b)
-    if math.isnan(a) or math.isnan(b):
-        return False
-    return math.isclose(float(a), float(b), rel_tol=rel, abs_tol=abs_)
-
-
 def _key(e: Mapping[str, Any]) -> tuple[Any, ...]:
     return (e.get("op"), e.get("dtype"), e.get("family"), e.get("tokens"), e.get("routing_class"))
 
@@ -66,7 +56,7 @@ def check_store_export(
     export: Mapping[str, Any],
     summary: Mapping[str, Any],
     runs: Mapping[str, Mapping[str, Any]],
-    tol: tuple[float, float],
+    tol: Tol,
 ) -> None:
     """Every finding of the export against the runs (see the module docstring)."""
     entries = list(export.get("entries", []))
@@ -135,7 +125,7 @@ def _check_decisions(
     sink: ExportSink,
     entries: list[Mapping[str, Any]],
     runs: Mapping[str, Mapping[str, Any]],
-    tol: tuple[float, float],
+    tol: Tol,
 ) -> None:
     made = decisions(runs)
     by_key: dict[tuple[Any, ...], list[pointverdict.PointDecision]] = defaultdict(list)
@@ -192,11 +182,10 @@ def _compare_figures(
     i: int,
     e: Mapping[str, Any],
     d: pointverdict.PointDecision,
-    tol: tuple[float, float],
+    tol: Tol,
 ) -> None:
-    rel, abs_ = tol
     for name in FIGURES:
-        if not _close(e.get(name), getattr(d, name), rel, abs_):
+        if not same(e.get(name), getattr(d, name), *tol):
             sink.add(
                 "store_export.field_mismatch",
                 F,
@@ -232,9 +221,8 @@ def _check_legacy(
     entries: list[Mapping[str, Any]],
     summary: Mapping[str, Any],
     runs: Mapping[str, Mapping[str, Any]],
-    tol: tuple[float, float],
+    tol: Tol,
 ) -> None:
-    rel, abs_ = tol
     groups = {g["key"]: g for g in summary["groups"]}
     by_key: dict[tuple[Any, ...], list[Mapping[str, Any]]] = defaultdict(list)
     for g in summary["groups"]:
@@ -296,7 +284,7 @@ def _check_legacy(
                 "noise_band": g["noise_band"],
             }
             for name, value in want.items():
-                if not _close(e.get(name), value, rel, abs_):
+                if not same(e.get(name), value, *tol):
                     sink.add(
                         "store_export.field_mismatch",
                         F,
@@ -338,7 +326,7 @@ def _check_legacy(
 
 
 def resolve_deferred(
-    results: Sequence[BundleResult], extra: list[dict[str, Any]] | None = None
+    results: Sequence[BundleResult], extra: list[dict[str, Any]] | None = None, tol: Tol = TOL
 ) -> list[Finding]:
     """Findings for deferred entries that no bundle of the same audit backs.
 
@@ -355,9 +343,9 @@ def resolve_deferred(
             if (
                 got is not None
                 and got[0] == want
-                and _close(got[1], e.get("speedup"), 1e-9, 1e-12)
-                and _close(got[2], e.get("noise_band"), 1e-9, 1e-12)
-                and (got[3] is None or _close(got[3], e.get("confidence"), 1e-9, 1e-12))
+                and same(got[1], e.get("speedup"), *tol)
+                and same(got[2], e.get("noise_band"), *tol)
+                and (got[3] is None or same(got[3], e.get("confidence"), *tol))
             ):
                 if want == "verified" or got[0] == "baseline":
                     r_backed = dict(e)
@@ -400,7 +388,10 @@ SHIPPED_FIELDS = (
 
 
 def check_shipped_export(
-    path: Path, results: Sequence[BundleResult], resolved: Sequence[dict[str, Any]] = ()
+    path: Path,
+    results: Sequence[BundleResult],
+    resolved: Sequence[dict[str, Any]] = (),
+    tol: Tol = TOL,
 ) -> list[Finding]:
     """Every entry of a shipped export must be an entry some audited bundle backs."""
     label = path.as_posix()
@@ -432,8 +423,8 @@ def check_shipped_export(
             impl = (e.get("config") or {}).get("impl")
             hit = any(
                 d[:4] == (e.get("op"), e.get("dtype"), dims, impl)
-                and _close(d[4], e.get("speedup"), 1e-9, 1e-12)
-                and _close(d[5], e.get("noise_band"), 1e-9, 1e-12)
+                and same(d[4], e.get("speedup"), *tol)
+                and same(d[5], e.get("noise_band"), *tol)
                 for d in decode
             )
             if not hit or e.get("status") != "verified":
@@ -459,7 +450,7 @@ def check_shipped_export(
             continue
         src = next((c for c in cands if c.get("evidence") == e.get("evidence")), cands[0])
         for name in SHIPPED_FIELDS:
-            if src.get(name) != e.get(name) and not _close(src.get(name), e.get(name), 1e-9, 1e-12):
+            if not same(src.get(name), e.get(name), *tol):
                 out.append(
                     Finding(
                         "shipped_export.field_mismatch", label, f"{where}.{name}",

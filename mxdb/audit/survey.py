@@ -12,12 +12,12 @@ the one recomputed from the raw rows.
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Mapping
 from typing import Any
 
 from pydantic import ValidationError
 
+from mxdb.audit.compare import Tol, same
 from mxdb.audit.findings import FindingSink
 from mxdb.errors import MxdbError
 from mxdb.evidence.survey import (
@@ -39,16 +39,6 @@ MAX_ROW_FINDINGS = 20
 _PROFILE_FACTS = ("device_name", "arch", "sm_count", "smem_per_block", "warp_size")
 #: Claim fields that count rows (``survey.count_mismatch``); the rest are proxy figures.
 _COUNT_FIELDS = ("grid_configs", "distinct_compiles", "by_status", "distinct_by_status", "failures")
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, bool) or isinstance(b, bool):
-        return a is b
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
-        return math.isclose(float(a), float(b), rel_tol=1e-12, abs_tol=1e-12)
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    return bool(a == b) and type(a) is type(b)
 
 
 def _leaves(prefix: str, x: Any) -> dict[str, Any]:
@@ -87,7 +77,7 @@ class _Limited:
                 )
 
 
-def check_survey(sink: FindingSink, rel: str, doc: Mapping[str, Any]) -> None:
+def check_survey(sink: FindingSink, rel: str, doc: Mapping[str, Any], tol: Tol) -> None:
     """Audit one schema-valid ``mxdb.compile-survey`` document; findings go to ``sink.add``."""
     lim = _Limited(sink, rel)
     fp = doc["fingerprint"]
@@ -314,7 +304,7 @@ def check_survey(sink: FindingSink, rel: str, doc: Mapping[str, Any]) -> None:
     got_leaves = _leaves("claims", claims)
     for field in sorted(set(want_leaves) | set(got_leaves)):
         want, got = want_leaves.get(field), got_leaves.get(field)
-        if field not in got_leaves or field not in want_leaves or not _same(want, got):
+        if field not in got_leaves or field not in want_leaves or not same(want, got, *tol):
             top = field.split(".")[1]
             check = "survey.count_mismatch" if top in _COUNT_FIELDS else "survey.claim_mismatch"
             sink.add(check, rel, field, want, got, "claimed figure differs from the raw rows")

@@ -27,10 +27,10 @@ The audit recomputes every figure; a mismatch is a finding.
 from __future__ import annotations
 
 import hashlib
-import math
 from collections.abc import Mapping
 from typing import Any
 
+from mxdb.audit.compare import Tol, same
 from mxdb.audit.findings import FindingSink
 from mxdb.configs import config_hash
 from mxdb.errors import InvalidInputError
@@ -44,7 +44,6 @@ SCHEMA_VERSION = "1.1"
 SCHEMA_VERSIONS = ("1.0", "1.1")
 TARGET_QUALITY = 1.01
 TARGET_GPU_FRACTION = 0.10
-REL_TOL = 1e-9
 EXHAUSTIVE_LABELS = ("exhaustive_gemm1", "exhaustive_gemm2", "exhaustive_combined")
 
 
@@ -174,19 +173,12 @@ def build_tuning_cost(
     }
 
 
-def _close(a: Any, b: Any) -> bool:
-    if a is None or b is None:
-        return a is b
-    if isinstance(a, bool) or isinstance(b, bool) or isinstance(a, str) or isinstance(b, str):
-        return bool(a == b)
-    return math.isclose(float(a), float(b), rel_tol=REL_TOL, abs_tol=1e-12)
-
-
 def check_tuning_cost(
     sink: FindingSink,
     doc: Mapping[str, Any],
     contents: Mapping[str, bytes],
     runs: Mapping[str, Mapping[str, Any]],
+    tol: Tol,
 ) -> None:
     """Recompute every figure of ``doc`` from the bundle's runs and sweep files."""
     rel = TUNING_COST_NAME
@@ -283,7 +275,7 @@ def check_tuning_cost(
             )
             continue
         for key, value in fig.items():
-            if not _close(p.get(key), value):
+            if not same(p.get(key), value, *tol):
                 sink.add(
                     "tuning_cost.mismatch",
                     rel,
