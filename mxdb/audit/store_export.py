@@ -279,9 +279,12 @@ def _check_legacy(
                     e.get("status"),
                     "the entry's status is not what its runs support",
                 )
+            verified = want_status == "verified"
             want = {
-                "speedup": g["speedup"] if want_status == "verified" else 1.0,
+                "speedup": g["speedup"] if verified else 1.0,
                 "noise_band": g["noise_band"],
+                "median_us": g["best_median_us"] if verified else g["baseline_median_us"],
+                "baseline_us": g["baseline_median_us"],
             }
             for name, value in want.items():
                 if not same(e.get(name), value, *tol):

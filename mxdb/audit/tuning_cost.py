@@ -27,7 +27,7 @@ The audit recomputes every figure; a mismatch is a finding.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from mxdb.audit.compare import Tol, same
@@ -152,8 +152,6 @@ def build_tuning_cost(
         else "median(mxdb run samples) / median(exhaustive best run samples), both from one "
         "final interleaved CUDA-graph timing"
     )
-    qs = [p["quality_ratio"] for p in out_points if p["quality_ratio"]]
-    fs = [p["gpu_time_fraction"] for p in out_points if p["gpu_time_fraction"] is not None]
     return {
         "schema": SCHEMA,
         "schema_version": SCHEMA_VERSION if versioned else "1.0",
@@ -164,12 +162,21 @@ def build_tuning_cost(
             f"{TARGET_GPU_FRACTION}",
         },
         "points": out_points,
-        "summary": {
-            "points": len(out_points),
-            "meeting_target": sum(1 for p in out_points if p["meets_target"]),
-            "geomean_quality_ratio": stats.geomean(qs) if qs else None,
-            "max_gpu_time_fraction": max(fs) if fs else None,
-        },
+        "summary": summarise(out_points),
+    }
+
+
+def summarise(points: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The document's summary of its points."""
+    qs: list[float] = [p["quality_ratio"] for p in points if p.get("quality_ratio")]
+    fs: list[float] = [
+        p["gpu_time_fraction"] for p in points if p.get("gpu_time_fraction") is not None
+    ]
+    return {
+        "points": len(points),
+        "meeting_target": sum(1 for p in points if p.get("meets_target")),
+        "geomean_quality_ratio": stats.geomean(qs) if qs else None,
+        "max_gpu_time_fraction": max(fs) if fs else None,
     }
 
 
@@ -284,15 +291,31 @@ def check_tuning_cost(
                     p.get(key),
                     "claimed figure differs from the one recomputed from the raw files",
                 )
-    pts = [p for p in points if isinstance(p, dict)]
     summary = doc.get("summary") or {}
-    claimed_meeting = sum(1 for p in pts if p.get("meets_target"))
-    if summary.get("points") != len(pts) or summary.get("meeting_target") != claimed_meeting:
+    try:
+        want = summarise([p for p in points if isinstance(p, dict)])
+    except (TypeError, ValueError) as exc:
+        sink.add(
+            "tuning_cost.invalid", rel, "summary", "numeric points", repr(exc)[:80], "malformed"
+        )
+        return
+    counts = ("points", "meeting_target")
+    if any(summary.get(k) != want[k] for k in counts):
         sink.add(
             "tuning_cost.mismatch",
             rel,
             "summary",
-            {"points": len(pts), "meeting_target": claimed_meeting},
-            {k: summary.get(k) for k in ("points", "meeting_target")},
+            {k: want[k] for k in counts},
+            {k: summary.get(k) for k in counts},
             "summary counts differ from the points",
         )
+    for key in ("geomean_quality_ratio", "max_gpu_time_fraction"):
+        if not same(summary.get(key), want[key], *tol):
+            sink.add(
+                "tuning_cost.mismatch",
+                rel,
+                f"summary.{key}",
+                want[key],
+                summary.get(key),
+                "summary figure differs from the one recomputed from the points",
+            )
