@@ -11,13 +11,8 @@ from mxdb.shapes import MoEShape
 
 def dispatch_once(
     db: str | None,
+    shape: MoEShape,
     *,
-    experts: int,
-    hidden: int,
-    intermediate: int,
-    topk: int,
-    tokens: int,
-    dtype: str,
     routing_trace: str | Path | None = None,
     routing_class: str | None = None,
     fingerprint_file: str | Path | None = None,
@@ -34,7 +29,6 @@ def dispatch_once(
     from mxdb.hostinfo import host_fingerprint
     from mxdb.store import Store
 
-    shape = MoEShape(experts, hidden, intermediate, topk, tokens, dtype)
     if routing_trace is not None and routing_class is not None:
         raise UsageError("give either --routing-trace or --routing-class, not both")
     features: dict[str, Any] | None = None
@@ -42,13 +36,13 @@ def dispatch_once(
         from mxdb.routing import features as routing_features
         from mxdb.routing import load_topk
 
-        ids = load_topk(routing_trace, experts=experts)
-        if ids.shape[1] != topk:
+        ids = load_topk(routing_trace, experts=shape.experts)
+        if ids.shape[1] != shape.topk:
             raise UsageError(
                 f"routing trace {routing_trace} has k={ids.shape[1]} experts per token; "
-                f"the shape has --topk {topk}"
+                f"the shape has --topk {shape.topk}"
             )
-        feats = routing_features(ids, experts)
+        feats = routing_features(ids, shape.experts)
         routing_class = feats.routing_class
         features = feats.to_dict()
     if fingerprint_file:

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import click
 
@@ -185,3 +186,101 @@ def emit_json(data: Any) -> None:
 def main(argv: list[str] | None = None) -> None:
     """Console-script entry point."""
     cli.main(args=argv, prog_name="mxdb")
+
+
+#: --model's help where the command gives a shape (dispatch, the imports).
+MODEL_HELP = "A Hugging Face config.json (or its folder) giving the per-shard MoE shape."
+
+
+def model_options(model_help: str = MODEL_HELP) -> Callable[[F], F]:
+    """--model config.json, --tp N, --ep N: a model's per-shard MoE shape."""
+
+    def deco(fn: F) -> F:
+        fn = click.option(
+            "--ep",
+            type=int,
+            default=1,
+            show_default=True,
+            help="Expert-parallel ranks (vLLM's --enable-expert-parallel): E/ep whole experts "
+            "a rank.",
+        )(fn)
+        fn = click.option(
+            "--tp", type=int, default=1, show_default=True, help="Tensor-parallel ranks."
+        )(fn)
+        return click.option(
+            "--model", "model_config", type=click.Path(path_type=Path), help=model_help
+        )(fn)
+
+    return deco
+
+
+def model_dims(model_config: Path | None, tp: int, ep: int) -> tuple[int, int, int, int] | None:
+    """(E, H, N, k) of one shard of --model, or None without it."""
+    from mxdb.errors import UsageError
+
+    if model_config is None:
+        if tp != 1 or ep != 1:
+            raise UsageError("--tp and --ep shard a model given with --model")
+        return None
+    from mxdb.modelconfig import load as load_model
+
+    e, h, n, k = load_model(model_config, tp=tp, ep=ep).dims()
+    return e, h, n, min(k, e)
+
+
+def shape_options(*, model: bool = False, dtypes: Sequence[str] | None = None) -> Callable[[F], F]:
+    """-E/-H/-I/-k/-M/--dtype (with ``model``, also --model/--tp/--ep): the command is called
+    with ``shape``, the built :class:`~mxdb.shapes.MoEShape`, in their place.
+
+    Without ``model`` the four sizes are required; with it, a size not given comes from the
+    model's shard.  ``dtypes`` limits --dtype to those choices (default: any dtype the shape
+    accepts).  A bad or missing shape raises (a usage error: exit 2) before the command runs.
+    """
+
+    def deco(fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kw: Any) -> Any:
+            from mxdb.errors import UsageError
+            from mxdb.shapes import MoEShape
+
+            sizes = [kw.pop(k) for k in ("experts", "hidden", "intermediate", "topk")]
+            if model:
+                dims = model_dims(kw.pop("model_config"), kw.pop("tp"), kw.pop("ep"))
+                if dims is not None:
+                    sizes = [s if s is not None else d for s, d in zip(sizes, dims, strict=True)]
+                if any(s is None for s in sizes):
+                    raise UsageError(
+                        "give the shape: --experts, --hidden, --intermediate and --topk, or --model"
+                    )
+            e, h, i, k = sizes
+            kw["shape"] = MoEShape(e, h, i, k, kw.pop("tokens"), kw.pop("dtype"))
+            return fn(*args, **kw)
+
+        w: Any = wrapper
+        w = click.option(
+            "--dtype",
+            type=click.Choice(list(dtypes)) if dtypes else str,
+            default="bf16",
+            show_default=True,
+            help="Element type of activations and weights"
+            + ("." if dtypes else ": fp16, bf16 or fp32."),
+        )(w)
+        w = click.option("--tokens", "-M", type=int, required=True, help="Tokens in the batch M.")(
+            w
+        )
+        if model:
+            w = model_options()(w)
+        required = not model
+        for name, short, what in reversed(_SIZES):
+            w = click.option(name, short, type=int, required=required, help=what)(w)
+        return cast(F, w)
+
+    return deco
+
+
+_SIZES = (
+    ("--experts", "-E", "Number of experts E."),
+    ("--hidden", "-H", "Hidden size H."),
+    ("--intermediate", "-I", "Per-expert intermediate size I."),
+    ("--topk", "-k", "Experts per token k."),
+)

@@ -8,64 +8,27 @@ from typing import Any, TypeVar, get_args
 
 import click
 
-from mxdb.cli.app import cli, db_option, emit_json, handle_errors, json_option
+from mxdb.cli.app import (
+    cli,
+    db_option,
+    emit_json,
+    handle_errors,
+    json_option,
+    model_dims,
+    model_options,
+    shape_options,
+)
 from mxdb.errors import InvalidInputError
 from mxdb.models import ROUTING_CLASSES, EntryStatus
+from mxdb.shapes import MoEShape
 
 ENTRY_STATUSES: tuple[str, ...] = get_args(EntryStatus)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _model_options(fn: F) -> F:
-    """--model config.json, --tp N, --ep N: a model's per-shard MoE shape."""
-    fn = click.option(
-        "--ep",
-        type=int,
-        default=1,
-        show_default=True,
-        help="Expert-parallel ranks (vLLM's --enable-expert-parallel): E/ep whole experts a rank.",
-    )(fn)
-    fn = click.option(
-        "--tp", type=int, default=1, show_default=True, help="Tensor-parallel ranks."
-    )(fn)
-    fn = click.option(
-        "--model",
-        "model_config",
-        type=click.Path(path_type=Path),
-        help="A Hugging Face config.json (or its folder) giving the per-shard MoE shape.",
-    )(fn)
-    return fn
-
-
-def _model_dims(model_config: Path | None, tp: int, ep: int) -> tuple[int, int, int, int] | None:
-    """(E, H, N, k) of one shard of --model, or None without it."""
-    from mxdb.errors import UsageError
-
-    if model_config is None:
-        if tp != 1 or ep != 1:
-            raise UsageError("--tp and --ep shard a model given with --model")
-        return None
-    from mxdb.modelconfig import load as load_model
-
-    e, h, n, k = load_model(model_config, tp=tp, ep=ep).dims()
-    return e, h, n, min(k, e)
-
-
 @cli.command("dispatch")
-@click.option("--experts", "-E", type=int, help="Number of experts E.")
-@click.option("--hidden", "-H", type=int, help="Hidden size H.")
-@click.option("--intermediate", "-I", type=int, help="Per-expert intermediate size I.")
-@click.option("--topk", "-k", type=int, help="Experts per token k.")
-@_model_options
-@click.option("--tokens", "-M", type=int, required=True, help="Tokens in the batch M.")
-@click.option(
-    "--dtype",
-    type=click.Choice(["fp16", "bf16"]),
-    default="bf16",
-    show_default=True,
-    help="Element type of activations and weights.",
-)
+@shape_options(model=True, dtypes=("fp16", "bf16"))
 @click.option(
     "--routing-trace",
     type=click.Path(dir_okay=False, path_type=Path),
@@ -101,15 +64,7 @@ def _model_dims(model_config: Path | None, tp: int, ep: int) -> tuple[int, int, 
 @json_option
 @handle_errors
 def dispatch_cmd(
-    experts: int | None,
-    hidden: int | None,
-    intermediate: int | None,
-    topk: int | None,
-    model_config: Path | None,
-    tp: int,
-    ep: int,
-    tokens: int,
-    dtype: str,
+    shape: MoEShape,
     routing_trace: Path | None,
     routing_class: str | None,
     fingerprint_file: Path | None,
@@ -125,28 +80,11 @@ def dispatch_cmd(
     --experts/--hidden/--intermediate/--topk, or --model config.json [--tp N] [--ep N]
     (explicit sizes override the model's).
     """
-    from mxdb.errors import UsageError
     from mxdb.service import dispatch_once
-
-    dims = _model_dims(model_config, tp, ep)
-    if dims is not None:
-        experts = experts if experts is not None else dims[0]
-        hidden = hidden if hidden is not None else dims[1]
-        intermediate = intermediate if intermediate is not None else dims[2]
-        topk = topk if topk is not None else dims[3]
-    if experts is None or hidden is None or intermediate is None or topk is None:
-        raise UsageError(
-            "give the shape: --experts, --hidden, --intermediate and --topk, or --model"
-        )
 
     result = dispatch_once(
         db,
-        experts=experts,
-        hidden=hidden,
-        intermediate=intermediate,
-        topk=topk,
-        tokens=tokens,
-        dtype=dtype,
+        shape,
         routing_trace=routing_trace,
         routing_class=routing_class,
         fingerprint_file=fingerprint_file,
@@ -181,7 +119,7 @@ def import_group() -> None:
     "--hidden", type=int, help="Hidden size H (default: from a known model with this E, N)."
 )
 @click.option("--topk", type=int, help="Experts per token k (default: from a known model).")
-@_model_options
+@model_options()
 @db_option
 @json_option
 @handle_errors
@@ -205,7 +143,7 @@ def import_vllm_cmd(
     from mxdb.interop.export import import_vllm
     from mxdb.store import Store
 
-    shape = _model_dims(model_config, tp, ep)
+    shape = model_dims(model_config, tp, ep)
     with Store.open(db) as store:
         report = import_vllm(store, list(paths), hidden=hidden, topk=topk, shape=shape)
     _print_import(report, as_json)
@@ -215,7 +153,7 @@ def import_vllm_cmd(
 @click.argument("path", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--hidden", type=int, help="Hidden size H (default: from a known model).")
 @click.option("--topk", type=int, help="Experts per token k (default: from a known model).")
-@_model_options
+@model_options()
 @db_option
 @json_option
 @handle_errors
@@ -233,7 +171,7 @@ def import_flaggems_cmd(
     from mxdb.interop.export import import_flaggems
     from mxdb.store import Store
 
-    shape = _model_dims(model_config, tp, ep)
+    shape = model_dims(model_config, tp, ep)
     with Store.open(db) as store:
         report = import_flaggems(store, path, shape=shape, hidden=hidden, topk=topk)
     _print_import(report, as_json)

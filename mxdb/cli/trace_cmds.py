@@ -8,8 +8,9 @@ from typing import Any
 
 import click
 
-from mxdb.cli.app import cli, emit_json, handle_errors, json_option
+from mxdb.cli.app import cli, emit_json, handle_errors, json_option, shape_options
 from mxdb.errors import ConfigError
+from mxdb.shapes import MoEShape
 
 
 @cli.command("trace")
@@ -118,14 +119,7 @@ def fingerprint_cmd(other: Path | None, offline: bool, as_json: bool) -> None:
     required=True,
     help="Device profile: c500, h200, h100, a100, a device name, or live (needs a GPU).",
 )
-@click.option("--experts", "-E", type=int, required=True, help="Number of experts E.")
-@click.option("--hidden", "-H", type=int, required=True, help="Hidden size H.")
-@click.option(
-    "--intermediate", "-I", type=int, required=True, help="Per-expert intermediate size I."
-)
-@click.option("--topk", "-k", type=int, required=True, help="Experts per token k.")
-@click.option("--tokens", "-M", type=int, required=True, help="Tokens in the batch M.")
-@click.option("--dtype", default="bf16", show_default=True, help="fp16, bf16 or fp32.")
+@shape_options()
 @click.option(
     "--config",
     "config",
@@ -138,12 +132,7 @@ def fingerprint_cmd(other: Path | None, offline: bool, as_json: bool) -> None:
 @handle_errors
 def check_config_cmd(
     profile: str,
-    experts: int,
-    hidden: int,
-    intermediate: int,
-    topk: int,
-    tokens: int,
-    dtype: str,
+    shape: MoEShape,
     config: str,
     as_json: bool,
 ) -> None:
@@ -153,16 +142,7 @@ def check_config_cmd(
     """
     from mxdb.resources import check_config
 
-    result = check_config(
-        _config_text(config),
-        profile=profile,
-        experts=experts,
-        hidden=hidden,
-        intermediate=intermediate,
-        topk=topk,
-        tokens=tokens,
-        dtype=dtype,
-    )
+    result = check_config(_config_text(config), profile=profile, dtype=shape.dtype, **shape.dims())
     if as_json:
         emit_json(result.to_dict())
     else:

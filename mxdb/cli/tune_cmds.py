@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import click
 
-from mxdb.cli.app import cli, db_option, emit_json, handle_errors, json_option
+from mxdb.cli.app import cli, db_option, emit_json, handle_errors, json_option, model_options
 from mxdb.errors import GpuUnavailableError, UsageError
 
 
@@ -78,20 +79,9 @@ def _require_gpu_packages() -> None:
     "tests; its results are not real measurements).",
 )
 @click.option("--no-progress", is_flag=True, help="Do not draw the progress bar on stderr.")
-@click.option(
-    "--model",
-    "model_config",
-    type=click.Path(path_type=str),
-    help="A Hugging Face config.json (or its folder): tune this model's per-shard MoE shape "
-    "instead of the workload's models (token counts, routings and search from the workload).",
-)
-@click.option("--tp", type=int, default=1, show_default=True, help="Tensor-parallel ranks.")
-@click.option(
-    "--ep",
-    type=int,
-    default=1,
-    show_default=True,
-    help="Expert-parallel ranks (vLLM's --enable-expert-parallel): E/ep whole experts a rank.",
+@model_options(
+    "A Hugging Face config.json (or its folder): tune this model's per-shard MoE shape "
+    "instead of the workload's models (token counts, routings and search from the workload)."
 )
 @json_option
 @handle_errors
@@ -103,7 +93,7 @@ def tune_cmd(
     devices: str | None,
     backend: str,
     no_progress: bool,
-    model_config: str | None,
+    model_config: Path | None,
     tp: int,
     ep: int,
     as_json: bool,
