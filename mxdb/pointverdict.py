@@ -31,7 +31,6 @@ The decision:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -272,7 +271,3 @@ def decide(arms: Iterable[Arm], *, heldout_min: int = HELDOUT_MIN) -> PointDecis
         base_us, confidence, validation,
         reason=f"the replay's choice was not confirmed: {why}",
     )  # fmt: skip
-
-
-def finite(x: float | None) -> bool:
-    return x is not None and math.isfinite(x)
