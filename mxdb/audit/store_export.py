@@ -121,33 +121,36 @@ def decisions(
     return out
 
 
+#: The exported statuses a decision allows: a verified entry may since have been rejected.
+ALLOWED = {"verified": ("verified", "rejected"), "baseline": ("baseline",)}
+
+
 def _check_decisions(
     sink: ExportSink,
     entries: list[Mapping[str, Any]],
     runs: Mapping[str, Mapping[str, Any]],
     tol: Tol,
 ) -> None:
-    made = decisions(runs)
-    by_key: dict[tuple[Any, ...], list[pointverdict.PointDecision]] = defaultdict(list)
-    for base, d in made:
+    made = []
+    for base, d in decisions(runs):
         s = base["shape"]
         key = (base["op"], s["dtype"], family_of(s), s["tokens"], base["routing_class"])
-        by_key[key].append(d)
-    for _, d in made:
+        made.append((key, base.get("point"), d))
         sink.backing.append(
             (str(d.evidence), str(d.config_hash), d.status, d.speedup, d.noise_band, d.confidence)
         )
+
+    def backs(key: tuple[Any, ...], d: pointverdict.PointDecision, e: Mapping[str, Any]) -> bool:
+        return (
+            _key(e) == key
+            and e.get("config_hash") == d.config_hash
+            and e.get("status") in ALLOWED.get(d.status, ())
+        )
+
     for i, e in enumerate(entries):
-        cands = [
-            d
-            for d in by_key.get(_key(e), [])
-            if d.config_hash == e.get("config_hash")
-            and (
-                d.status == e.get("status")
-                or (d.status, e.get("status")) == ("verified", "rejected")
-            )
-        ]
-        found = next((x for x in cands if x.evidence == e.get("evidence")), None)
+        found = next(
+            (d for k, _, d in made if backs(k, d, e) and d.evidence == e.get("evidence")), None
+        )
         if found is None:
             # one entry per key and config: it carries the evidence of the first point that
             # decided it, which may be another routing source's bundle of the same tune
@@ -155,17 +158,9 @@ def _check_decisions(
             continue
         _compare_figures(sink, i, e, found, tol)
         sink.backed.append(dict(e))
-    allowed = {"verified": ("verified", "rejected"), "baseline": ("baseline",)}
-    for base, d in made:
-        s = base["shape"]
-        key = (base["op"], s["dtype"], family_of(s), s["tokens"], base["routing_class"])
+    for key, point, d in made:
         # one entry per key and config: another point of the key may carry it
-        if any(
-            _key(e) == key
-            and e.get("config_hash") == d.config_hash
-            and e.get("status") in allowed.get(d.status, ())
-            for e in entries
-        ):
+        if any(backs(key, d, e) for e in entries):
             continue
         sink.add(
             "store_export.missing_config",
@@ -173,7 +168,7 @@ def _check_decisions(
             "entries",
             f"a {d.status} entry for {'/'.join(map(str, key))} with config_hash {d.config_hash}",
             "none",
-            f"a decision of point {base.get('point')} is absent from the store export",
+            f"a decision of point {point} is absent from the store export",
         )
 
 
