@@ -696,10 +696,13 @@ def _replay_and_check(
         _record_final(
             rec, baseline, role, acc[j], failure.get(j), routing, corr, rid, "replay", **common
         )
+    index: dict[str, int] = {}  # finalist run id -> its place in the lineup
     for j in range(COPIES, len(lineup)):
         cfg = lineup[j]
         corr = checks.get(j)
         status_override = "wrong" if corr is not None and not corr.passed else None
+        rid = f"{prefix}-fin{j - COPIES + 1:02d}"
+        index[rid] = j
         _record_final(
             rec,
             cfg,
@@ -708,7 +711,7 @@ def _replay_and_check(
             failure.get(j),
             routing,
             corr,
-            f"{prefix}-fin{j - COPIES + 1:02d}",
+            rid,
             "layer",
             status_override=status_override,
             **common,
@@ -718,13 +721,13 @@ def _replay_and_check(
     arms = [pointverdict.arm_from_measurement(m) for m in rec.items if m.comparison == "replay"]
     chosen, bar, _ = pointverdict.choose(arms)
     if chosen is not None:
-        j = COPIES + int(chosen.run_id.rsplit("fin", 1)[1]) - 1
+        j = index[chosen.run_id]
         result.winner = lineup[j]
         result.winner_samples = acc[j]
         result.correctness = checks[j]
         result.winner_run_id = chosen.run_id
     if bar is not None:
-        result.peer_bar = lineup[COPIES + int(bar.run_id.rsplit("fin", 1)[1]) - 1]
+        result.peer_bar = lineup[index[bar.run_id]]
 
 
 def validate(
