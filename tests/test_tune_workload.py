@@ -79,6 +79,32 @@ def test_replay_trace_is_read_and_tiled(tmp_path: Path) -> None:
     assert synthetic.ids.shape == (4, 2)
 
 
+def test_held_out_instances_are_fresh_draws_or_later_windows(tmp_path: Path) -> None:
+    from mxdb.tune.traces import heldout_traces, neighbour_traces, point_traces
+
+    rows = [[i % 8, (i + 1) % 8] for i in range(13)]  # M=4: windows 1 and 2, a short third
+    (tmp_path / "t.json").write_text(json.dumps({"ids": rows}))
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps({**BASE, "routings": [{"kind": "replay", "path": "t.json"}]}))
+    wl = load_workload(path)
+    shape = wl.points()[0].shape
+    replay, _ = point_traces(wl, shape, 0)
+    held = heldout_traces(wl, shape, 0, replay, 3)
+    assert [t.ids.tolist() for t in held] == [rows[4:8], rows[8:12]]  # never the replayed rows
+    assert all(t.generator["params"]["window"] == w for t, w in zip(held, (1, 2), strict=True))
+    # a generated source: fresh seeds of the same generator, all of the point's class
+    gen = tmp_path / "g.json"
+    gen.write_text(json.dumps({**BASE, "routings": [{"kind": "uniform"}]}))
+    wl = load_workload(gen)
+    shape = wl.points()[0].shape
+    replay, synthetic = point_traces(wl, shape, 0)
+    held = heldout_traces(wl, shape, 0, replay, 3)
+    hashes = {t.trace_hash for t in held}
+    assert len(hashes) == 3 and not hashes & {replay.trace_hash, synthetic.trace_hash}
+    assert {t.routing_class for t in held} == {replay.routing_class}
+    assert [t.ids.shape[0] for t in neighbour_traces(wl, shape, 0, replay)] == [3, 6]
+
+
 routing = st.one_of(
     st.just({"kind": "uniform"}),
     st.builds(lambda e: {"kind": "zipf", "exponent": e}, st.floats(0.1, 5, allow_nan=False)),

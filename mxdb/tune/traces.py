@@ -199,9 +199,18 @@ def _seed(base: int, shape: MoEShape, label: str) -> int:
 
 
 def _read_replay(workload: Workload, src: ReplayRouting, shape: MoEShape) -> np.ndarray:
-    path = workload.resolve(src.path)
+    """The first M tokens of a replay trace; a shorter trace is repeated cyclically to M."""
+    ids = _read_replay_rows(workload, src, shape)
+    reps = -(-shape.tokens // ids.shape[0])
+    return np.tile(ids, (reps, 1))[: shape.tokens]
+
+
+def _read_replay_rows(workload: Workload, src: ReplayRouting, shape: MoEShape) -> np.ndarray:
+    """Every row of a replay trace, checked against ``shape`` (its windows past the first M
+    tokens are the point's held-out instances)."""
     from mxdb.fileio import MAX_TRACE_JSON_BYTES, load_json
 
+    path = workload.resolve(src.path)
     if not path.exists():
         raise WorkloadError(
             f"routings: replay trace {str(path)!r} does not exist; record one with `mxdb trace` "
@@ -222,17 +231,4 @@ def _read_replay(workload: Workload, src: ReplayRouting, shape: MoEShape) -> np.
         )
     if ids.min() < 0 or ids.max() >= shape.experts:
         raise WorkloadError(f"replay trace {path}: expert ids must lie in [0, {shape.experts})")
-    # the first M tokens; a shorter trace is repeated cyclically to M tokens
-    reps = -(-shape.tokens // ids.shape[0])
-    return np.tile(ids, (reps, 1))[: shape.tokens]
-
-
-def _read_replay_rows(workload: Workload, src: ReplayRouting, shape: MoEShape) -> np.ndarray:
-    """Every row of a replay trace (no repetition): its windows past the first M are held out."""
-    from mxdb.fileio import MAX_TRACE_BYTES, load_json
-
-    _read_replay(workload, src, shape.with_tokens(1))  # validates the file
-    path = workload.resolve(src.path)
-    doc = load_json(path, what="replay trace", limit=MAX_TRACE_BYTES, error=WorkloadError)
-    rows = doc.get("ids") if isinstance(doc, dict) else doc
-    return np.asarray(rows, dtype=np.int64)
+    return ids
