@@ -175,7 +175,7 @@ def test_reverify_with_the_fake_backend_through_the_cli(
         assert new[BASE.hash].status == "baseline"
         runs = {m.run_id for m in s.measurements()}
         run = new[GOOD.hash].evidence or "?"
-        assert {f"{run}-candidate", f"{run}-baseline", f"{run}-control"} <= runs
+        assert {f"{run}-{n}" for n in ("candidate", "baseline", "control-a", "control-b")} <= runs
         # the verified one is dispatched again in the new environment
         dec = Dispatcher(s, now).dispatch(SHAPE, "uniform")
         assert dec.entry_id == new[GOOD.hash].id

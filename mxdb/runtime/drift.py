@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from mxdb import verdict as verdict_rule
 from mxdb.configs import KernelConfig
 from mxdb.errors import MxdbError, UsageError
 from mxdb.fingerprint import LIVE_COMPONENTS, diff, mismatches
@@ -361,9 +362,9 @@ def reverify(
 
     A stale entry is kept as it is: the record of what held in its old environment.  The
     verdict is a new entry of the same key and config under the current fingerprint (source
-    ``reverify``): ``verified`` when the config passes the correctness check and beats FlagGems'
-    choice (timed beside it, interleaved, on the class's synthetic routing) by more than the
-    noise band of a same-config control pair of FlagGems' choice; ``baseline`` when the config
+    ``reverify``): ``verified`` when the config passes the correctness check and is faster than
+    FlagGems' choice by the one verdict rule (``mxdb.verdict``: timed beside three copies of it
+    in a random order per round, on the class's synthetic routing); ``baseline`` when the config
     is FlagGems' own choice in this environment; ``rejected`` otherwise, with the reason.  The
     stale entry's reason names the verdict entry.  Every timing is stored as a measurement
     (the evidence; the verdict entry's ``evidence`` names its run), and with ``evidence_out``
@@ -475,15 +476,17 @@ def _reverify_moe(
     ids = generate(kind, e.tokens, shape.experts, shape.topk, seed, **params)
     baseline = backend.baseline_config(shape)
     is_baseline = config.hash == baseline.hash
-    # config, FlagGems' choice, and its control twin: interleaved on the same inputs
-    order = [config, baseline, baseline]
-    timings = backend.time(shape, ids, order, reps=reps, seed=seed)
+    # the config and three copies of FlagGems' choice, interleaved on the same inputs in a
+    # random order per round: the one verdict rule (mxdb.verdict) decides
+    order = [config, baseline, baseline, baseline]
+    timings = backend.time(shape, ids, order, reps=reps, seed=seed, order_seed=seed)
     corr = backend.check(shape, ids, config, seed=seed)
     run = f"{tag}-e{e.id}"
-    roles = ("candidate", "baseline", "control")
+    roles = ("candidate", "baseline", "control", "control")
+    names = ("candidate", "baseline", "control-a", "control-b")
     ms = [
         Measurement(
-            run_id=f"{run}-{role}",
+            run_id=f"{run}-{name}",
             op="fused_moe",
             dtype=e.dtype,
             family=e.family,
@@ -503,14 +506,21 @@ def _reverify_moe(
             rel_err=corr.rel_err if role == "candidate" else None,
             timing_method="graph",
             fingerprint_hash=current.hash,
+            order_seed=seed,
         )
-        for role, cfg, t in zip(roles, order, timings, strict=True)
+        for name, role, cfg, t in zip(names, roles, order, timings, strict=True)
     ]
     store.add_measurements(ms)
-    t, b, c = timings
-    med, base, ctrl = _median(t.samples_us), _median(b.samples_us), _median(c.samples_us)
-    band = max(base, ctrl) / min(base, ctrl) - 1.0 if base and ctrl else None
-    speedup = base / med if base and med else None
+    t, *copies = timings
+    med, base = _median(t.samples_us), _median(copies[0].samples_us)
+    copy_samples = [list(c.samples_us) for c in copies if c.status == "ok" and c.samples_us]
+    judged = (
+        verdict_rule.compare(copy_samples, list(t.samples_us))
+        if len(copy_samples) == len(copies) and t.samples_us
+        else None
+    )
+    speedup = judged.speedup if judged is not None else None
+    band = judged.noise_band if judged is not None else None
     figures: dict[str, Any] = {
         "median_us": med,
         "baseline_us": base,
@@ -518,7 +528,7 @@ def _reverify_moe(
         "noise_band": band,
         "max_abs_err": corr.max_abs_err,
         "rel_err": corr.rel_err,
-        "samples_us": {r: list(x.samples_us) for r, x in zip(roles, timings, strict=True)},
+        "samples_us": {n: list(x.samples_us) for n, x in zip(names, timings, strict=True)},
         "evidence": run,
     }
     status: str
@@ -528,12 +538,12 @@ def _reverify_moe(
         status, reason = "rejected", "the config fails the correctness check here"
     elif is_baseline:
         status, reason = "baseline", "the config is FlagGems' own choice here"
-    elif speedup is None or band is None:
+    elif judged is None or speedup is None or band is None:
         status, reason = "rejected", "FlagGems' choice has no timing here: nothing to compare"
-    elif speedup - 1.0 > band:
-        status, reason = "verified", f"speedup {speedup:.4f}x exceeds the noise band {band:.4f}"
+    elif judged.faster:
+        status, reason = "verified", judged.reason
     else:
-        status, reason = "rejected", f"speedup {speedup:.4f}x is within the noise band {band:.4f}"
+        status, reason = "rejected", judged.reason
     verdict = Entry(
         op="fused_moe",
         dtype=e.dtype,
