@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -182,6 +182,8 @@ def _tune(
     fp = local_backend.fingerprint()
     job = job_name(workload, fp)
     points = build_points(workload)
+    # held-out instances are drawn once: stored with each point, written into its bundle
+    extras = {p.key: validation_traces(workload, p, r) for p, r, _ in points}
     with Store.open(store_url) as store:
         url = store_url or _raw_url(store)
         store.put_fingerprint(fp)
@@ -194,10 +196,7 @@ def _tune(
                         **p.payload(),
                         "replay": r.to_payload(),
                         "synthetic": s.to_payload(),
-                        **{
-                            k: [t.to_payload() for t in v]
-                            for k, v in validation_traces(workload, p, r).items()
-                        },
+                        **{k: [t.to_payload() for t in v] for k, v in extras[p.key].items()},
                     },
                 )
                 for p, r, s in points
@@ -233,7 +232,9 @@ def _tune(
         entries = _job_entries(store, job, fp.hash)
         paths: list[Path] = []
         if bundle and done:
-            paths = write_bundles(store, job, workload, fp, points, entries, Path(out_dir))
+            paths = write_bundles(
+                store, job, workload, fp, points, entries, Path(out_dir), extras=extras
+            )
         path = paths[0] if paths else None
     return TuneReport(
         job=job,
@@ -658,11 +659,16 @@ def write_bundles(
     points: Sequence[tuple[Point, Trace, Trace]],
     entries: Sequence[Entry],
     out_dir: Path,
+    *,
+    extras: Mapping[str, dict[str, list[Trace]]] | None = None,
 ) -> list[Path]:
-    """The job's bundles: one for the whole workload, or one per routing source."""
+    """The job's bundles: one for the whole workload, or one per routing source.
+
+    ``extras``: each point's held-out traces (``validation_traces``) as stored with it; drawn
+    again from the workload when not given."""
     labels = list(dict.fromkeys(p.routing_label for p, _, _ in points))
     if len(labels) <= 1:
-        return [write_bundle(store, job, workload, fp, points, entries, out_dir)]
+        return [write_bundle(store, job, workload, fp, points, entries, out_dir, extras=extras)]
     out = []
     for label in labels:
         sub = [t for t in points if t[0].routing_label == label]
@@ -672,7 +678,11 @@ def write_bundles(
         sub_entries = [e for e in entries if (e.family, e.dtype, e.tokens, e.routing_class) in keys]
         if not any(_job_measurements(store, job, p.shape, p.key) for p, _, _ in sub):
             continue
-        out.append(write_bundle(store, job, workload, fp, sub, sub_entries, out_dir, suffix=label))
+        out.append(
+            write_bundle(
+                store, job, workload, fp, sub, sub_entries, out_dir, suffix=label, extras=extras
+            )
+        )
     return out
 
 
@@ -686,6 +696,7 @@ def write_bundle(
     out_dir: Path,
     *,
     suffix: str | None = None,
+    extras: Mapping[str, dict[str, list[Trace]]] | None = None,
 ) -> Path:
     """Assemble the evidence bundle of ``job`` (or of some of its points) under ``out_dir``."""
     from mxdb.evidence.writer import BundleWriter
@@ -701,7 +712,7 @@ def write_bundle(
         ms = _job_measurements(store, job, p.shape, p.key)
         if not ms:
             continue
-        extra = validation_traces(workload, p, replay)
+        extra = extras[p.key] if extras is not None else validation_traces(workload, p, replay)
         for t in (replay, synthetic, *extra["heldout"], *extra["neighbours"], *extra["classes"]):
             w.add_trace(t.ids, experts=p.shape.experts, generator=t.generator)
         for m in ms:
