@@ -161,6 +161,20 @@ def summarize(doc: dict[str, Any], small: int = 16) -> dict[str, Any]:
     }
 
 
+def store_from_export(path: str | Path, live: Any, name: str) -> tuple[Any, Any, Any]:
+    """A temporary store holding the export at ``path``, what the import reported, and the
+    fingerprint to dispatch under: the live one when the export holds it, else its first."""
+    from mxdb.interop.export import import_export, read_export
+    from mxdb.store import Store
+
+    exp = read_export(path)
+    store = Store.open(f"sqlite:///{tempfile.mkdtemp()}/{name}.sqlite")
+    imported = import_export(store, path)
+    fps = list(exp.fingerprints.values())
+    fp = next((f for f in fps if f.hash == live.hash), fps[0] if fps else live)
+    return store, imported, fp
+
+
 def run_hooked(a: argparse.Namespace) -> None:
     import flag_gems.fused.fused_moe as fm
     import numpy as np
@@ -171,12 +185,10 @@ def run_hooked(a: argparse.Namespace) -> None:
     import mxdb
     from mxdb.dispatcher import Dispatcher, DispatchOptions
     from mxdb.fingerprint import collect
-    from mxdb.interop.export import import_export, read_export
     from mxdb.routing import classify, features
     from mxdb.routing_gen import generate
     from mxdb.runtime.healing import HealingOptions
     from mxdb.shapes import preset_shape
-    from mxdb.store import Store
 
     peers = _peers()
     t_start = time.monotonic()
@@ -184,12 +196,7 @@ def run_hooked(a: argparse.Namespace) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / "hooked.json"
     live = collect(live_fingerprint_components())
-    exp = read_export(a.store_export)
-    tmp = tempfile.mkdtemp()
-    store = Store.open(f"sqlite:///{tmp}/serving.sqlite")
-    imported = import_export(store, a.store_export)
-    fps = list(exp.fingerprints.values())
-    fp = next((f for f in fps if f.hash == live.hash), fps[0] if fps else live)
+    store, imported, fp = store_from_export(a.store_export, live, "serving")
     doc: dict[str, Any] = {
         "fingerprint": live.components(),
         "fingerprint_hash": live.hash,
@@ -443,24 +450,17 @@ def run_healing(a: argparse.Namespace) -> None:
     import mxdb
     from mxdb.dispatcher import Dispatcher, DispatchOptions
     from mxdb.fingerprint import collect
-    from mxdb.interop.export import import_export, read_export
     from mxdb.routing import classify, features
     from mxdb.runtime.healing import HealingOptions
     from mxdb.runtime.hook import _kernels_pipeline
     from mxdb.shapes import preset_shape
-    from mxdb.store import Store
 
     t_start = time.monotonic()
     out_dir = Path(a.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / "healing.json"
     live = collect(live_fingerprint_components())
-    exp = read_export(a.store_export)
-    tmp = tempfile.mkdtemp()
-    store = Store.open(f"sqlite:///{tmp}/healing.sqlite")
-    imported = import_export(store, a.store_export)
-    fps = list(exp.fingerprints.values())
-    fp = next((f for f in fps if f.hash == live.hash), fps[0] if fps else live)
+    store, imported, fp = store_from_export(a.store_export, live, "healing")
     fam = preset_shape("qwen3-30b-a3b", 1, "bf16")
     e, h, k = fam.experts, fam.hidden, fam.topk
     gen = torch.Generator(device="cuda").manual_seed(0)
