@@ -115,12 +115,6 @@ def arm_from_measurement(m: Any) -> Arm:
     )
 
 
-def _median(xs: Sequence[float]) -> float:
-    s = sorted(xs)
-    n = len(s)
-    return float(s[n // 2]) if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2.0
-
-
 def copies_of(arms: Sequence[Arm]) -> tuple[Arm | None, list[Arm]]:
     base = next((a for a in arms if a.role == "baseline"), None)
     if base is None:
@@ -199,7 +193,7 @@ def decide(arms: Iterable[Arm], *, heldout_min: int = HELDOUT_MIN) -> PointDecis
         by_comp.setdefault(a.comparison, []).append(a)
     replay = by_comp.get("replay", [])
     base, _ = copies_of(replay)
-    base_us = _median(base.samples) if base is not None and base.samples else None
+    base_us = verdict.median(base.samples) if base is not None and base.samples else None
     chosen, bar, verdicts = choose(replay)
     timed = any(
         a.role in ("candidate", "peer") and a.status == "ok" and a.samples
@@ -251,7 +245,7 @@ def decide(arms: Iterable[Arm], *, heldout_min: int = HELDOUT_MIN) -> PointDecis
     confidence = won / len(heldout) if heldout else 0.0
     figures = dict(
         speedup=v.speedup, low=v.low, high=v.high, noise_band=v.noise_band,
-        median_us=_median(chosen.samples), baseline_us=base_us,
+        median_us=verdict.median(chosen.samples), baseline_us=base_us,
     )  # fmt: skip
     if len(heldout) >= heldout_min and won == len(heldout):
         return PointDecision(

@@ -110,7 +110,8 @@ class Verdict:
         return self.outcome == "slower"
 
 
-def _median(xs: Sequence[float]) -> float:
+def median(xs: Sequence[float]) -> float:
+    """The median of a non-empty sequence (the mean of the two middle values for an even count)."""
     s = sorted(xs)
     n = len(s)
     mid = n // 2
@@ -154,7 +155,7 @@ def paired(
     if not all(_valid(b) and _valid(c) for b, c in zip(baseline, candidate, strict=True)):
         return None
     d = sorted(math.log(b / c) for b, c in zip(baseline, candidate, strict=True))
-    mid = _median(d)
+    mid = median(d)
     k = sign_rank(n, confidence)
     if k is None:
         return Paired(math.exp(mid), 0.0, math.inf, n)
@@ -168,7 +169,7 @@ def round_baseline(copies: Sequence[Sequence[float]]) -> list[float] | None:
     n = len(copies[0])
     if n == 0 or any(len(c) != n for c in copies):
         return None
-    return [_median([c[r] for c in copies]) for r in range(n)]
+    return [median([c[r] for c in copies]) for r in range(n)]
 
 
 def noise_band(copies: Sequence[Sequence[float]]) -> float | None:
