@@ -287,10 +287,20 @@ class Store:
                     ) from None
         engine = make_engine(parsed, readonly=readonly)
         try:
-            if readonly or not create:
-                _require_schema(engine, display, readonly=readonly)
-            if not readonly:
-                ensure_schema(engine, display)
+            for attempt in range(_LOCKED_RETRIES + 1):
+                try:
+                    if readonly or not create:
+                        _require_schema(engine, display, readonly=readonly)
+                    if not readonly:
+                        ensure_schema(engine, display)
+                    break
+                except DatabaseError as exc:
+                    # A fresh SQLite file opened by several processes at once: switching it to
+                    # WAL can report "locked" without waiting on busy_timeout; retry as the
+                    # writes do.
+                    if path is None or not is_locked_error(exc) or attempt == _LOCKED_RETRIES:
+                        raise
+                    time.sleep(0.05 * 2**attempt)
         except MxdbError:
             engine.dispose()
             raise
