@@ -29,22 +29,35 @@ config (bit for bit where the config is FlagGems' own choice).  Then one hooked 
 captured in a CUDA graph with the routing monitor and healing on and replayed (M=2 of the first
 model): the replay must equal the eager result.  Raw results go to OUT_DIR/hooked.json after every point.
 
-``healing``: self-healing end to end on a decode loop: a stack of ``--layers`` Qwen3-30B-A3B
-MoE layers (E=128, H=2048, I=768, k=8, bf16, random weights; each layer routes with its own
-random gate: softmax, top-k) decoding a batch of M tokens per step, every layer call through
-FlagGems' public ``fused_experts_impl`` with ``mxdb.install()`` in front, the store imported
-from the export (a real tune's entries, none written here).  M is the first of 4, 2, 1, 8 at
-which the routing's class has a dispatched config with at least one alternative.  The
-degradation: while on, every call of the dispatched config on ``--slow-layers`` of the layers
-runs the whole layer ``--factor`` (10) times (same result, 10x its GPU time).  Tokens/s, with
-CUDA events around chunks of steps:
+``healing``: self-healing end to end on a decode loop, every MoE call through ``mxdb.install()``
+with the store imported from the export (a real tune's entries, none written here).  The
+decoder (``--decoder``):
+
+* ``qwen3-moe`` (default): a ``transformers`` Qwen3-MoE model with Qwen3-30B-A3B's dimensions
+  (hidden 2048, 128 experts of I = 768, top-8, 32 query / 4 KV heads of 128) and ``--layers``
+  decoder layers (random weights), patched with ``mxdb.integrations.transformers.patch`` (its
+  MoE blocks call the installed hook); a step is one greedy decode step of a batch of M
+  sequences with a KV cache, the sequences restarting every ``--context`` steps.  Before the
+  phases, 4 decode steps of the patched model are compared with the unpatched model's logits
+  (``model_check``).
+* ``stack``: ``--layers`` Qwen3-30B-A3B MoE layers only (random weights and gates), each call
+  through FlagGems' public ``fused_experts_impl``.
+
+M is the first of 4, 2, 1, 8 at which the routing's class has a dispatched config (healing
+adds FlagGems' own choice as the last candidate).  The degradation: while on, every call of
+the dispatched config on ``--slow-layers`` of the layers runs the whole layer ``--factor``
+(10) times (same result, 10x its GPU time).  Tokens/s, with CUDA events around chunks of
+steps:
 
 * ``clean``: no injection, healing off;
 * ``static``: a clean phase, then the injection on, healing off;
 * ``healing``: the same with healing on (``sample_every`` 61, coprime with the layer count;
   baselines calibrated in situ), its transitions, and the tokens/s of the last chunks (healed);
 * the overhead ladder: no injection, routing monitor and healing samples off / every 4096 /
-  64 / 4 calls, interleaved repetitions.
+  64 / 4 calls, ``--ladder-reps`` repetitions (plus one to warm up) with the rungs in an order
+  shuffled per repetition, each window ``--ladder-steps`` steps (default: enough that the
+  key's calls in the warm-up steps and the window reach 4096, so the sparsest rung samples
+  once per window).
 
 Raw results go to OUT_DIR/healing.json after every phase.
 
@@ -441,19 +454,218 @@ class Injector:
         return run
 
 
+#: Qwen3-30B-A3B's dimensions (its Hugging Face config), for the ``--decoder qwen3-moe`` model;
+#: the layer count and the decode batch are the run's options.
+QWEN3_MOE: dict[str, Any] = {
+    "vocab_size": 151936,
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "norm_topk_prob": True,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 4096,
+}
+
+
+class StackDecoder:
+    """``--decoder stack``: ``layers`` Qwen3-30B-A3B MoE layers (random weights, each with its
+    own random softmax-top-k gate) called through FlagGems' public ``fused_experts_impl``; the
+    state is the batch's hidden states, RMS-normalized between layers."""
+
+    name = "stack"
+
+    def __init__(self, a: argparse.Namespace) -> None:
+        import flag_gems.fused.fused_moe as fm
+        import torch
+        from mxdb.kernels.reference import make_weights
+
+        from mxdb.shapes import preset_shape
+
+        self.torch, self.fm = torch, fm
+        self.fam = preset_shape("qwen3-30b-a3b", 1, "bf16")
+        e, h = self.fam.experts, self.fam.hidden
+        self.gen = torch.Generator(device="cuda").manual_seed(0)
+        self.layers = []
+        for li in range(a.layers):
+            w1, w2 = make_weights(self.fam, li, "cuda")
+            gate = torch.randn((h, e), generator=self.gen, device="cuda", dtype=torch.float32)
+            self.layers.append((w1, w2, gate / h**0.5))
+        self.w1 = [w1 for w1, _, _ in self.layers]
+        self.model = {"family": self.fam.family, "layers": a.layers, "dtype": "bf16"}
+
+    def route(self, x: Any, gate: Any) -> tuple[Any, Any]:
+        torch = self.torch
+        probs = torch.softmax(x.float() @ gate, dim=-1)
+        tw, ids = torch.topk(probs, self.fam.topk, dim=-1)
+        return tw.contiguous(), ids.to(torch.int32).contiguous()
+
+    def start(self, m: int) -> tuple[Any, Any]:
+        """The first state at batch size ``m`` and the top-k ids layer 0 routes it to."""
+        x0 = self.torch.randn((m, self.fam.hidden), generator=self.gen, device="cuda")
+        x0 = x0.to(self.torch.bfloat16)
+        return x0, self.route(x0, self.layers[0][2])[1]
+
+    def step(self, x: Any) -> Any:
+        torch = self.torch
+        for w1, w2, gate in self.layers:
+            tw, ids = self.route(x, gate)
+            y = self.fm.fused_experts_impl(x, w1, w2, tw, ids)
+            x = y * torch.rsqrt(y.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(y.dtype)
+        return x
+
+    def close(self) -> None:
+        pass
+
+
+class ModelDecoder:
+    """``--decoder qwen3-moe``: a ``transformers`` Qwen3-MoE model with Qwen3-30B-A3B's
+    dimensions and ``layers`` decoder layers (random weights, normal(0, 0.02), seed 0),
+    patched by ``mxdb.integrations.transformers.patch`` (every op it routes; its MoE blocks call
+    the installed FlagGems hook).  A step is one greedy decode step of the batch with a KV
+    cache; every ``context`` steps the batch starts a new sequence (a fresh cache, the first
+    token again), so that the attention's cost stays bounded over long runs."""
+
+    name = "qwen3-moe"
+
+    def __init__(self, a: argparse.Namespace, dispatcher: Any) -> None:
+        import torch
+        import transformers
+
+        import mxdb.integrations.transformers as mxt
+
+        self.torch = torch
+        cfg = transformers.Qwen3MoeConfig(  # type: ignore[call-arg]
+            **QWEN3_MOE, num_hidden_layers=a.layers, attn_implementation="eager"
+        )
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = transformers.AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.02)
+        self.net = model.eval()
+        self.cfg = cfg
+        self.context = a.context
+        self.positions = torch.arange(a.context, device="cuda")
+        blocks = [layer.mlp for layer in model.model.layers]
+        self.blocks = blocks
+        self.w1 = [b.experts.gate_up_proj for b in blocks]
+        self.gen = torch.Generator(device="cuda").manual_seed(0)
+        self.first: Any = None
+        self.model = {
+            "family": "E128-H2048-I768-k8",
+            "layers": a.layers,
+            "dtype": "bf16",
+            "decoder": "transformers Qwen3MoeForCausalLM",
+            "transformers": transformers.__version__,
+            "hf_config": {**QWEN3_MOE, "num_hidden_layers": a.layers},
+            "context": a.context,
+        }
+        self.mxt, self.dispatcher = mxt, dispatcher
+        self.patched: Any = None
+
+    def _cache(self) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.cfg)
+
+    def start(self, m: int) -> tuple[Any, Any]:
+        torch = self.torch
+        tok = torch.randint(0, self.cfg.vocab_size, (m, 1), generator=self.gen, device="cuda")
+        self.first = tok
+        seen: dict[str, Any] = {}
+
+        def grab(_mod: Any, args: Any) -> None:
+            seen.setdefault("x", args[0])
+
+        handle = self.blocks[0].register_forward_pre_hook(grab)
+        try:
+            with torch.no_grad():
+                self.net(tok, past_key_values=self._cache(), use_cache=True)
+        finally:
+            handle.remove()
+        x = seen["x"].reshape(-1, self.cfg.hidden_size)
+        with torch.no_grad():
+            _, _, ids = self.blocks[0].gate(x)
+        return (tok, self._cache(), 0), ids.to(torch.int32)
+
+    def step(self, state: Any) -> Any:
+        tok, cache, pos = state
+        if pos >= self.context:
+            tok, cache, pos = self.first, self._cache(), 0
+        with self.torch.no_grad():
+            out = self.net(
+                tok,
+                past_key_values=cache,
+                use_cache=True,
+                cache_position=self.positions[pos : pos + 1],
+            )
+        return out.logits[:, -1:].argmax(-1), cache, pos + 1
+
+    def patch(self) -> None:
+        self.patched = self.mxt.patch(self.net, dispatcher=self.dispatcher)
+
+    def check(self, m: int) -> dict[str, Any]:
+        """Logits of 4 decode steps, patched and hooked, against the unpatched model."""
+        torch = self.torch
+
+        def run() -> list[Any]:
+            state, _ = self.start(m)
+            tok, cache, pos = state
+            outs = []
+            with torch.no_grad():
+                for _ in range(4):
+                    o = self.net(tok, past_key_values=cache, use_cache=True,
+                                 cache_position=self.positions[pos : pos + 1])  # fmt: skip
+                    tok, pos = o.logits[:, -1:].argmax(-1), pos + 1
+                    outs.append(o.logits[:, -1].float())
+            return outs
+
+        if self.patched is not None:
+            self.mxt.unpatch(self.net)
+            self.patched = None
+        self.gen.manual_seed(1)
+        stock = run()
+        self.patch()
+        self.gen.manual_seed(1)
+        ours = run()
+        diff = max(float((x - y).abs().max()) for x, y in zip(stock, ours, strict=True))
+        scale = max(float(x.abs().max()) for x in stock)
+        return {"steps": 4, "max_abs_logit_diff": diff, "max_abs_logit": scale}
+
+    def close(self) -> None:
+        if self.patched is not None:
+            self.mxt.unpatch(self.net)
+            self.patched = None
+
+
+def ladder_order(seed: int, reps: int, rungs: list[str]) -> list[list[str]]:
+    """The rung order of each ladder repetition (rep 0 warms up), shuffled per repetition."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(reps + 1):
+        order = rungs[:]
+        rng.shuffle(order)
+        out.append(order)
+    return out
+
+
 def run_healing(a: argparse.Namespace) -> None:
-    import flag_gems.fused.fused_moe as fm
     import torch
     from mxdb.kernels.live import live_fingerprint_components
-    from mxdb.kernels.reference import make_weights
 
     import mxdb
+    from mxdb.decision import Decision
     from mxdb.dispatcher import Dispatcher, DispatchOptions
     from mxdb.fingerprint import collect
     from mxdb.routing import classify, features
     from mxdb.runtime.healing import HealingOptions
-    from mxdb.runtime.hook import _kernels_pipeline
-    from mxdb.shapes import preset_shape
+    from mxdb.runtime.hook import _flaggems_choice, _kernels_pipeline
 
     t_start = time.monotonic()
     out_dir = Path(a.out)
@@ -461,64 +673,57 @@ def run_healing(a: argparse.Namespace) -> None:
     out = out_dir / "healing.json"
     live = collect(live_fingerprint_components())
     store, imported, fp = store_from_export(a.store_export, live, "healing")
-    fam = preset_shape("qwen3-30b-a3b", 1, "bf16")
-    e, h, k = fam.experts, fam.hidden, fam.topk
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    layers = []
-    for li in range(a.layers):
-        w1, w2 = make_weights(fam, li, "cuda")
-        gate = torch.randn((h, e), generator=gen, device="cuda", dtype=torch.float32) / h**0.5
-        layers.append((w1, w2, gate))
+    probe = Dispatcher(store, fp, DispatchOptions(policy="strict"))
+    dec: Any = StackDecoder(a) if a.decoder == "stack" else ModelDecoder(a, probe)
+    e = 128
     doc: dict[str, Any] = {
         "fingerprint": live.components(),
         "fingerprint_hash": live.hash,
         "store_export": str(a.store_export),
         "import": imported,
         "dispatch_fingerprint": fp.hash,
-        "model": {"family": fam.family, "layers": a.layers, "dtype": "bf16"},
+        "decoder": dec.name,
+        "model": dec.model,
         "factor": a.factor,
         "errors": [],
     }
+    from mxdb.shapes import preset_shape
 
-    def route(x: Any, gate: Any) -> tuple[Any, Any]:
-        probs = torch.softmax(x.float() @ gate, dim=-1)
-        tw, ids = torch.topk(probs, k, dim=-1)
-        return tw.contiguous(), ids.to(torch.int32).contiguous()
-
-    def step(x: Any) -> Any:
-        for w1, w2, gate in layers:
-            tw, ids = route(x, gate)
-            y = fm.fused_experts_impl(x, w1, w2, tw, ids)
-            x = y * torch.rsqrt(y.float().pow(2).mean(-1, keepdim=True) + 1e-6).to(y.dtype)
-        return x
-
+    fam = preset_shape("qwen3-30b-a3b", 1, "bf16")
     # the batch size and routing class: a dispatched config with an alternative to move to
     chosen = None
     for m in (4, 2, 1, 8):
-        x0 = torch.randn((m, h), generator=gen, device="cuda").to(torch.bfloat16)
-        _, ids0 = route(x0, layers[0][2])
+        state0, ids0 = dec.start(m)
         rc = classify(features(ids0.cpu().numpy().astype("int64"), e))
         d = Dispatcher(store, fp, DispatchOptions(policy="strict", default_routing_class=rc))
         shape = fam.with_tokens(m)
         alts = d.alternatives(shape, rc)
-        if len(alts) >= 2:
-            chosen = (m, rc, x0, d, shape, alts)
+        if alts:
+            chosen = (m, rc, state0, d, shape, alts)
             break
     if chosen is None:
-        doc["errors"].append("no batch size with a dispatched config and an alternative")
+        doc["errors"].append("no batch size with a dispatched config")
         atomic_json(out, doc)
         return
     m, rc, x0, dispatcher, shape, alts = chosen
+    if isinstance(dec, ModelDecoder):
+        dec.dispatcher = dispatcher
     target = alts[0].config
     assert target is not None
-    slow_ptrs = {layers[i][0].data_ptr() for i in range(min(a.slow_layers, a.layers))}
+    slow = sorted(range(min(a.slow_layers, a.layers)))
+    slow_ptrs = {dec.w1[i].data_ptr() for i in slow}
     inj = Injector(_kernels_pipeline, a.factor, target.hash, slow_ptrs)
+    per_step = a.layers  # hooked calls of the key per decode step
+    # a window that reaches the key's call 4096 after the warm-up steps (one sample at the
+    # sparsest rung), unless the run names its own
+    ladder_steps = a.ladder_steps or -(-(4096 + 1) // per_step) - a.warm_steps + 1
+    ladder_steps = -(-ladder_steps // a.chunk) * a.chunk
     doc.update(
         tokens=m,
         routing_class=rc,
         target={"config": target.model_dump(), "entry_id": alts[0].entry_id},
         alternatives=[{"config": d.config.model_dump(), "entry_id": d.entry_id} for d in alts],
-        slow_layers=sorted(range(min(a.slow_layers, a.layers))),
+        slow_layers=slow,
     )
     atomic_json(out, doc)
 
@@ -534,7 +739,7 @@ def run_healing(a: argparse.Namespace) -> None:
         marks[0].record()
         for i in range(steps // chunk):
             for _ in range(chunk):
-                x = step(x)
+                x = dec.step(x)
             marks[i + 1].record()
         torch.cuda.synchronize()
         rates = [
@@ -544,16 +749,25 @@ def run_healing(a: argparse.Namespace) -> None:
         return x, rates
 
     try:
-        # warm up: every lean layer (the target and each alternative) built on every layer
         hook = install()
+        if isinstance(dec, ModelDecoder):
+            doc["model_check"] = dec.check(m)
+            atomic_json(out, doc)
+        # warm up: every lean layer (the target, each alternative and FlagGems' own choice,
+        # healing's last candidate) built on every layer
         x = x0
-        for alt in alts:
+        safe = _flaggems_choice(shape)
+        warm = list(alts)
+        if safe is not None:
+            warm.append(Decision(config=safe, level="fallback", confidence=0.0, reason="warm"))
+        doc["safe_config"] = safe.model_dump() if safe is not None else None
+        for alt in warm:
             dispatcher.set_override(shape, rc, alt)
             for _ in range(3):
-                x = step(x)
+                x = dec.step(x)
         dispatcher.set_override(shape, rc, None)
         for _ in range(5):
-            x = step(x)
+            x = dec.step(x)
         torch.cuda.synchronize()
         doc["warm_stats"] = {k2: v for k2, v in hook.stats().items() if isinstance(v, int)}
         ch, n = a.chunk, a.steps
@@ -593,10 +807,15 @@ def run_healing(a: argparse.Namespace) -> None:
             "stats": {k2: v for k2, v in stats.items() if isinstance(v, int)},
         }
         atomic_json(out, doc)
-        # the overhead ladder: monitor and healing samples every N calls, no injection
-        ladder: dict[str, list[float]] = {"off": [], "4096": [], "64": [], "4": []}
-        for rep in range(a.ladder_reps + 1):  # rep 0 warms up
-            for name in ladder:
+        # the overhead ladder: monitor and healing samples every N calls, no injection; each
+        # window long enough for a sample at the sparsest rung, the rungs in a random order
+        # per repetition (repetition 0 warms up and is not kept)
+        rungs = ["off", "4096", "64", "4"]
+        orders = ladder_order(a.ladder_seed, a.ladder_reps, rungs)
+        ladder: dict[str, list[float]] = {k: [] for k in rungs}
+        counts: dict[str, list[dict[str, int]]] = {k: [] for k in rungs}
+        for rep, order in enumerate(orders):
+            for name in order:
                 every = 0 if name == "off" else int(name)
                 hook = install(
                     monitor_every=every,
@@ -604,17 +823,28 @@ def run_healing(a: argparse.Namespace) -> None:
                     if every
                     else None,
                 )
-                for _ in range(5):
-                    x = step(x)
-                x, rates = timed(x, n // 2, n // 2)
+                for _ in range(a.warm_steps):
+                    x = dec.step(x)
+                x, rates = timed(x, ladder_steps, ladder_steps)
                 if rep:
                     ladder[name].extend(rates)
-        doc["ladder"] = {"tokens_per_s": ladder}
+                    st = hook.stats()
+                    counts[name].append(
+                        {k2: int(st.get(k2, 0)) for k2 in ("monitor_copies", "healing_samples")}
+                    )
+        doc["ladder"] = {
+            "tokens_per_s": ladder,
+            "steps": ladder_steps,
+            "orders": orders[1:],
+            "seed": a.ladder_seed,
+            "counters": counts,
+        }
     except Exception as exc:
         doc["errors"].append(f"{type(exc).__name__}: {exc}"[:1000])
     finally:
         mxdb.uninstall()
         dispatcher.set_override(shape, rc, None)
+        dec.close()
     doc["summary"] = healing_summary(doc, a.tail_chunks)
     doc["wall_s"] = time.monotonic() - t_start
     atomic_json(out, doc)
@@ -676,7 +906,7 @@ def publish(
     )
     from mxdb.evidence.writer import write_manifest
 
-    milestone = "h200-serving"
+    milestone = bundle.name
     notes = notes_from_text(notes_path.read_text()) if notes_path is not None else []
     fp, doc = from_raw(
         json.loads(hooked_path.read_text()),
@@ -725,8 +955,19 @@ def main() -> None:
     g.add_argument("--steps", type=int, default=400, help="decode steps of a phase")
     g.add_argument("--chunk", type=int, default=25, help="steps between two events")
     g.add_argument("--sample-every", type=int, default=61)
-    g.add_argument("--ladder-reps", type=int, default=3)
+    g.add_argument("--ladder-reps", type=int, default=6)
+    g.add_argument(
+        "--ladder-steps", type=int, default=0,
+        help="decode steps of a ladder window (0: up to the key's call 4096 and a bit)",
+    )  # fmt: skip
+    g.add_argument("--ladder-seed", type=int, default=0, help="seed of the rungs' order")
+    g.add_argument("--warm-steps", type=int, default=5, help="untimed steps per ladder install")
     g.add_argument("--tail-chunks", type=int, default=4)
+    g.add_argument(
+        "--decoder", choices=("stack", "qwen3-moe"), default="qwen3-moe",
+        help="stack: MoE layers only; qwen3-moe: a transformers Qwen3-MoE model, patched",
+    )  # fmt: skip
+    g.add_argument("--context", type=int, default=256, help="qwen3-moe: steps per sequence")
     s = sub.add_parser("summary", help="the issue's figures from hooked.json or healing.json")
     s.add_argument("raw")
     p = sub.add_parser("publish", help="the evidence bundle from hooked.json and healing.json")

@@ -35,6 +35,8 @@ REASONS: dict[str, str] = {
     "cover this token count or routing class",
     "invalid_entry": "the matching stored entry cannot be read (an invalid config): not answered",
     "baseline_measured": "measured here (or nearest): nothing beat FlagGems' own choice beyond noise",
+    "healing_fallback": "self-healing moved this key to FlagGems' own choice: every config the "
+    "store offers for it measured slower than its baseline here",
 }
 
 

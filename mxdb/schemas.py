@@ -39,7 +39,7 @@ REGISTRY: dict[str, tuple[str, str, str]] = {
     "peers": ("mxdb.evidence.peers:PeersDoc", "1.1", "serialization"),
     "lean-layer": ("mxdb.evidence.lean_layer:LeanLayerDoc", "1.0", "serialization"),
     "self-healing": ("mxdb.evidence.healing:SelfHealingDoc", "1.0", "serialization"),
-    "serving": ("mxdb.evidence.serving:ServingDoc", "1.0", "serialization"),
+    "serving": ("mxdb.evidence.serving:ServingDoc", "1.1", "serialization"),
 }
 
 #: The document name a file declares in its "schema" field -> registry name.

@@ -273,3 +273,52 @@ def test_import_mxdb_does_not_import_the_hook() -> None:
     code = "import sys, mxdb; print('mxdb.runtime.hook' in sys.modules, 'flag_gems' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_self_healing_falls_back_to_flaggems_choice_when_the_only_config_degrades(
+    fm: Any, store: Store
+) -> None:
+    store.add_entries([_entry(CFG_A, speedup=1.3, median_us=10.0)])
+    d = Dispatcher(store, H200)
+    assert [a.config for a in d.alternatives(SHAPE, "uniform")] == [CFG_A]
+    opts = HealingOptions(sample_every=2, window=3, degrade_samples=2, probe_every=4)
+    asked: list[MoEShape] = []
+
+    def safe(shape: MoEShape) -> KernelConfig:
+        asked.append(shape)
+        return CFG_B  # stands for FlagGems' own choice at this shape
+
+    hook = mxdb.install(d, monitor_every=0, healing=opts, clock=VirtualClock(fm), safe_config=safe)
+    fm.COST.update({128: 10.0, 64: 12.0})
+    for _ in range(20):
+        fm.fused_experts_impl(*_args())
+    assert d.dispatch(SHAPE, "uniform").config == CFG_A
+    assert asked == [SHAPE]
+    fm.COST[128] = 100.0  # the only dispatched config slows down 10x
+    for _ in range(40):
+        fm.fused_experts_impl(*_args())
+    moved = d.dispatch(SHAPE, "uniform")
+    assert moved.config == CFG_B
+    assert moved.reason == "healing_fallback"
+    assert fm.CALLS[-1]["BLOCK_SIZE_N"] in (64, 128)
+    kinds = [t["kind"] for t in hook.stats()["transitions"]]
+    assert kinds[0] == "demote" and "exhausted" not in kinds
+    # the fallback had no recorded median: its baseline was calibrated in situ
+    assert set(kinds[1:]) <= {"calibrated"}
+
+
+def test_healing_adds_no_safe_candidate_already_offered(fm: Any, store: Store) -> None:
+    store.add_entries(
+        [_entry(CFG_A, speedup=1.3, median_us=10.0), _entry(CFG_B, speedup=1.1, median_us=12.0)]
+    )
+    d = Dispatcher(store, H200)
+    opts = HealingOptions(sample_every=2, window=3, degrade_samples=2, probe_every=4)
+    hook = mxdb.install(
+        d, monitor_every=0, healing=opts, clock=VirtualClock(fm), safe_config=lambda s: CFG_B
+    )
+    fm.COST.update({128: 10.0, 64: 12.0})
+    for _ in range(4):
+        fm.fused_experts_impl(*_args())
+    assert hook.healer is not None
+    key = next(iter(hook.healer._keys))
+    assert [c.config for c in hook.healer._keys[key].candidates] == [CFG_A, CFG_B]

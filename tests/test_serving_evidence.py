@@ -181,7 +181,7 @@ def _edit(root: Path, change: Callable[[dict[str, Any]], None]) -> None:
 def test_published_bundle_passes_and_judges_with_the_verdict_rule(published: Path) -> None:
     assert _checks(published) == set()
     doc = json.loads((published / SERVING_FILE).read_text())
-    assert doc["schema"] == "mxdb.serving" and doc["schema_version"] == "1.0"
+    assert doc["schema"] == "mxdb.serving" and doc["schema_version"] == "1.1"
     for p in doc["hooked"]["points"]:
         s = p["samples"]
         v = verdict.compare([s["stock"], s["stock2"]], s["hooked"])
@@ -449,3 +449,43 @@ def test_malformed_setup_is_a_finding_not_a_crash(committed: dict[str, Any]) -> 
     doc["healing"]["samples"]["ladder"]["every"] = doc["healing"]["samples"]["ladder"].pop("64")
     doc["healing"]["setup"]["model"]["layers"] = "eight"
     assert set(_findings(doc)) == {"serving.layout_mismatch"}
+
+
+def test_model_decoder_run_publishes_its_setup_and_ladder_windows(tmp_path: Path) -> None:
+    hooked, healing = raw_pair()
+    healing["decoder"] = "qwen3-moe"
+    healing["model"] = {**healing["model"], "decoder": "transformers Qwen3MoeForCausalLM"}
+    healing["model_check"] = {"steps": 4, "max_abs_logit_diff": 0.03, "max_abs_logit": 4.5}
+    orders = [["4", "off", "64", "4096"], ["off", "4096", "4", "64"], ["64", "4", "off", "4096"]]
+    healing["ladder"]["steps"] = 1024
+    healing["ladder"]["orders"] = orders
+    healing["ladder"]["counters"] = {
+        k: [{"monitor_copies": 0 if k == "off" else 8 * 1029 // int(k),
+             "healing_samples": 0 if k == "off" else 8 * 1029 // int(k)}] * 3
+        for k in ("off", "4096", "64", "4")
+    }  # fmt: skip
+    (tmp_path / "hooked.json").write_text(json.dumps(hooked))
+    (tmp_path / "healing.json").write_text(json.dumps(healing))
+    bundle = tmp_path / "h200-serving-model"
+    _serving().publish(
+        tmp_path / "hooked.json", tmp_path / "healing.json", bundle, steps=STEPS, chunk=CHUNK
+    )
+    assert _checks(bundle) == set()
+    doc = json.loads((bundle / SERVING_FILE).read_text())
+    setup = doc["healing"]["setup"]
+    assert setup["decoder"] == "qwen3-moe" and setup["ladder_steps"] == 1024
+    assert setup["ladder_orders"] == orders and setup["model_check"]["steps"] == 4
+    assert doc["milestone"] == "h200-serving-model"
+    g = doc["healing"]["figures"]
+    # a window of 1024 steps of 8 layers after 5 warm-up steps: calls 41-8232 of the hook
+    assert g["ladder_healing_samples_in_window"] == {
+        "off": 0, "4096": 2, "64": 8232 // 64 - 40 // 64, "4": 8232 // 4 - 40 // 4
+    }  # fmt: skip
+    assert doc["healing"]["ladder_counters"]["4096"][0]["healing_samples"] == 2
+
+    def shorter_window(d: dict[str, Any]) -> None:
+        d["healing"]["setup"]["ladder_steps"] = 100
+
+    _edit(bundle, shorter_window)
+    found = _checks(bundle)
+    assert found == {"serving.overhead_mismatch"}  # the window figures no longer fit

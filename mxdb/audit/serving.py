@@ -235,10 +235,14 @@ def check_serving(
     hk, hl = doc["hooked"], doc["healing"]
     recomputed = build_serving(
         {**{k: hk[k] for k in HOOKED_INPUTS}, "points": hk["points"]},
-        {k: hl[k] for k in HEALING_INPUTS},
+        {
+            **{k: hl[k] for k in HEALING_INPUTS},
+            "ladder_counters": hl.get("ladder_counters"),
+        },
         milestone=doc["milestone"],
         fingerprint_hash=doc["fingerprint_hash"],
         notes=doc["notes"],
+        schema_version=doc["schema_version"],
     )
     claimed = {k: v for k, v in doc.items() if k != "targets"}
     figures = flat_figures(recomputed)

@@ -40,7 +40,7 @@ KNOWN_VERSIONS: dict[str, tuple[str, ...]] = {
     "mxdb.peers": ("1.0", "1.1"),
     "mxdb.lean-layer": ("1.0",),
     "mxdb.self-healing": ("1.0",),
-    "mxdb.serving": ("1.0",),
+    "mxdb.serving": ("1.0", "1.1"),
 }
 
 RunRole = Literal["baseline", "candidate", "control", "peer"]

@@ -1,4 +1,4 @@
-"""The serving path on one GPU (``serving.json``, ``mxdb.serving`` 1.0), from raw samples.
+"""The serving path on one GPU (``serving.json``, ``mxdb.serving`` 1.1), from raw samples.
 
 A serving bundle is a directory::
 
@@ -17,10 +17,18 @@ It holds the two parts of ``benchmarks/serving.py``:
   arm belongs to round ``r``: the layout :func:`mxdb.verdict.compare` needs, with ``stock`` and
   ``stock2`` as the baseline's same-config copies.  Also the capture check: one hooked call
   captured in a CUDA graph with the routing monitor and healing on, replayed.
-- ``healing``: a decode loop of a stack of MoE layers through the hook: tokens/s per chunk of
-  steps (CUDA events at chunk boundaries) clean, with one config slowed down on some layers
-  without healing (``static``) and with healing, and the monitoring-overhead ladder (monitor
-  and healing samples off / every N calls).
+- ``healing``: a decode loop through the hook: tokens/s per chunk of steps (CUDA events at
+  chunk boundaries) clean, with one config slowed down on some layers without healing
+  (``static``) and with healing, and the monitoring-overhead ladder (monitor and healing
+  samples off / every N calls).  Version 1.0: the decoder is a stack of MoE layers, and a
+  ladder window is half a phase (``steps // 2`` steps).  Version 1.1 adds to the setup the
+  ``decoder`` (``stack``, or ``qwen3-moe``: a ``transformers`` Qwen3-MoE model patched by
+  ``mxdb.integrations.transformers.patch``, its MoE blocks calling the hook), ``model_check``
+  (the patched model's logits against the unpatched model's), ``ladder_steps`` (the steps of a
+  ladder window, which replace ``steps // 2`` in the ladder's figures) and ``ladder_orders``
+  (the rungs' order in each repetition, shuffled per repetition), and to the part the
+  ``ladder_counters`` (the routing-monitor copies and healing samples each ladder window
+  counted).
 
 Every figure is recomputed by the audit with :func:`build_serving` (the writer's own function)
 from the inputs the document keeps; :data:`DEFINITIONS` says what each one is.
@@ -44,7 +52,7 @@ from mxdb.evidence.peers import Target, TargetSpec, build_targets, targets_markd
 from mxdb.models import Fingerprint
 
 SERVING_SCHEMA = "mxdb.serving"
-SERVING_VERSION = "1.0"
+SERVING_VERSION = "1.1"
 SERVING_FILE = "serving.json"
 REPORT_FILE = "report.md"
 SMALL_TOKENS_MAX = 16
@@ -272,6 +280,14 @@ class ServingHealingSetup(_Doc):
     store_import: dict[str, int]
     dispatch_fingerprint: str
     wall_s: float | None
+    decoder: str | None = Field(default=None, description="1.1: stack or qwen3-moe")
+    model_check: dict[str, float] | None = Field(
+        default=None, description="1.1: the patched model's logits against the unpatched model's"
+    )
+    ladder_steps: int | None = Field(default=None, ge=1, description="1.1: steps of a window")
+    ladder_orders: list[list[str]] | None = Field(
+        default=None, description="1.1: the rungs' order in each kept repetition"
+    )
 
 
 class HealingSamples(_Doc):
@@ -328,13 +344,18 @@ class HealingPart(_Doc):
     warm_stats: dict[str, int]
     errors: list[str]
     figures: HealingFigures
+    ladder_counters: dict[str, list[dict[str, int]]] | None = Field(
+        default=None,
+        description="1.1: per rung and kept repetition, the monitor copies and healing samples "
+        "the hook counted by the end of the window",
+    )
 
 
 class ServingDoc(_Doc):
     """``serving.json``: the hooked call against stock FlagGems, and self-healing end to end."""
 
     schema_name: Literal["mxdb.serving"] = Field(default="mxdb.serving", alias="schema")
-    schema_version: Literal["1.0"] = "1.0"
+    schema_version: Literal["1.0", "1.1"] = "1.1"
     milestone: str = Field(min_length=1)
     fingerprint_hash: str = Field(pattern=_HEX16)
     definitions: dict[str, str]
@@ -482,7 +503,7 @@ def healing_figures(
             paired[k] = 1.0 - stats.median([a / b for a, b in zip(v, off, strict=True)])
     layers = int(setup["model"]["layers"])
     warm = int(setup["warm_steps"])
-    end = warm + int(setup["steps"]) // 2
+    end = warm + int(setup.get("ladder_steps") or int(setup["steps"]) // 2)
     samples_in: dict[str, int] = {}
     copies_in: dict[str, int] = {}
     for k in ladder:
@@ -568,9 +589,11 @@ def build_serving(
     milestone: str,
     fingerprint_hash: str,
     notes: Sequence[str] = (),
+    schema_version: str = SERVING_VERSION,
 ) -> dict[str, Any]:
     """The ``serving.json`` document from the parts' inputs (:data:`POINT_INPUTS`,
-    :data:`HOOKED_INPUTS`, :data:`HEALING_INPUTS`)."""
+    :data:`HOOKED_INPUTS`, :data:`HEALING_INPUTS`, and the healing part's ``ladder_counters``
+    where present)."""
     points = [{**{k: p[k] for k in POINT_INPUTS}, **point_figures(p)} for p in hooked["points"]]
     small = int(hooked["setup"]["small_tokens_max"])
     h_part = {
@@ -582,9 +605,11 @@ def build_serving(
         **{k: healing[k] for k in HEALING_INPUTS},
         "figures": healing_figures(healing["setup"], healing["samples"], healing["transitions"]),
     }
+    if schema_version != "1.0":
+        g_part["ladder_counters"] = healing.get("ladder_counters")
     doc: dict[str, Any] = {
         "schema": SERVING_SCHEMA,
-        "schema_version": SERVING_VERSION,
+        "schema_version": schema_version,
         "milestone": milestone,
         "fingerprint_hash": fingerprint_hash,
         "definitions": dict(DEFINITIONS),
@@ -714,6 +739,10 @@ def from_raw(
             "store_import": _ints(h.get("import")),
             "dispatch_fingerprint": h["dispatch_fingerprint"],
             "wall_s": h.get("wall_s"),
+            "decoder": h.get("decoder", "stack"),
+            "model_check": h.get("model_check"),
+            "ladder_steps": h["ladder"].get("steps"),
+            "ladder_orders": h["ladder"].get("orders"),
         },
         "samples": {
             "clean": h["clean"]["tokens_per_s"],
@@ -735,6 +764,7 @@ def from_raw(
         "stats": _ints(heal.get("stats")),
         "warm_stats": _ints(h.get("warm_stats")),
         "errors": list(h.get("errors") or []),
+        "ladder_counters": h["ladder"].get("counters"),
     }
     doc = build_serving(
         hooked, healing, milestone=milestone, fingerprint_hash=fps[0].hash, notes=notes

@@ -17,7 +17,10 @@ of:
   ``silu(gate) * up`` becomes op ``swiglu`` (dims ``{n}`` = intermediate size);
 - every sparse MoE block (``Qwen3MoeSparseMoeBlock``, ``MixtralSparseMoeBlock``): the experts
   run through mxdb's MoE layer (``mxdb.kernels.layer.MoELayer``) with the dispatched config,
-  or FlagGems' own config choice for a token count mxdb has no confident answer for.
+  or FlagGems' own config choice for a token count mxdb has no confident answer for.  When the
+  FlagGems hook is installed (``mxdb.install()``), the block calls the hook instead, so the
+  routing monitor, self-healing and the lean layer serve the model (counted as ``("moe",
+  "hook")``).
 
 Each call asks ``dispatcher.dispatch(OpShape(op, dims, rows, dtype), None)`` (a cached dict
 lookup).  The decision's ``config["impl"]`` (``fused``, ``flaggems`` or ``torch``) picks the
@@ -510,8 +513,27 @@ def _moe_forward(router: Router, block: Any) -> Callable[..., Any]:
             return orig(hidden_states)
         import torch
 
+        from mxdb.runtime.hook import installed
+
         x = hidden_states.reshape(-1, hidden)
         _, weights, ids = block.gate(x)
+        hook = installed()
+        if hook is not None:
+            # The FlagGems hook is installed: the call goes through it, so the routing monitor,
+            # healing and the lean layer serve the model's MoE blocks like any FlagGems caller.
+            experts = block.experts
+            out = hook.call(
+                (
+                    x.contiguous(),
+                    experts.gate_up_proj,
+                    experts.down_proj,
+                    weights.to(torch.float32),
+                    ids.to(torch.int32).contiguous(),
+                ),
+                {},
+            )
+            router.calls[("moe", "hook")] += 1
+            return out.view(bsz, seq, hidden)
         key = hidden_states.dtype
         layer = layers.get(key)
         if layer is None:

@@ -43,7 +43,10 @@ never measured or verified.  ``split="gemm1"`` selects that approximation instea
 **No synchronization on the call path.**  The routing monitor copies a layer's top-k ids
 every ``monitor_every`` calls with a non-blocking copy into pinned host memory and records a
 CUDA event; a later call of that layer looks at ``event.query()`` and, once the copy is done,
-classifies the ids and updates the layer's routing class.  Healing samples (every
+classifies the ids and updates the layer's routing class.  Healing watches a key's
+candidates: the store's alternatives (``Dispatcher.alternatives``), then FlagGems' own choice
+for the shape (reason ``healing_fallback``), so a key whose only dispatched config degrades
+can still fall back.  Healing samples (every
 ``healing.sample_every`` calls of a key) record two CUDA events around the call; their elapsed
 time is read on a later sampled call once the end event has completed.
 
@@ -71,7 +74,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from mxdb.configs import KernelConfig
-from mxdb.decision import Decision
+from mxdb.decision import FALLBACK, Decision
 from mxdb.errors import MxdbError, UsageError
 from mxdb.runtime.healing import Healer, HealingOptions
 from mxdb.shapes import MoEShape, canonical_dtype
@@ -237,6 +240,17 @@ class _Sample:
     end: Any
 
 
+def _flaggems_choice(shape: MoEShape) -> KernelConfig | None:
+    """FlagGems' own config for ``shape`` (None where FlagGems cannot be asked here)."""
+    try:
+        from mxdb.kernels.layer import flaggems_kernel_config
+
+        config: KernelConfig = flaggems_kernel_config(shape)
+        return config
+    except Exception:  # no FlagGems, no GPU: healing then has no safe candidate to add
+        return None
+
+
 def _kernels_pipeline(w1: Any, w2: Any, topk: int, config: KernelConfig | None) -> Runner:
     """mxdb's lean layer with the exact config (both GEMMs and the alignment), or with
     FlagGems' own choice per token count when ``config`` is None."""
@@ -268,6 +282,7 @@ class Hook:
         max_pipelines: int = 1024,
         lean: bool = True,
         lean_max_tokens: int = 256,
+        safe_config: Callable[[MoEShape], KernelConfig | None] | None = None,
     ) -> None:
         if monitor_every < 0:
             raise UsageError(f"monitor_every must be >= 0 (0 disables), got {monitor_every}")
@@ -283,6 +298,8 @@ class Hook:
         self.max_pipelines = max_pipelines
         self.lean = lean
         self.lean_max_tokens = lean_max_tokens
+        #: FlagGems' own config for a shape: healing's last candidate (the safe fallback)
+        self.safe_config = safe_config or _flaggems_choice
         #: why the lean layer could not be built, per (w1, w2, config) key
         self.lean_errors: dict[tuple[Any, ...], str] = {}
         self.healer = Healer(healing, on_change=self._on_heal) if healing is not None else None
@@ -671,9 +688,16 @@ class Hook:
         assert self.healer is not None
         shape, rc = cast("tuple[Any, Any]", key)
         try:
-            cands = self.dispatcher.alternatives(shape, rc) or [decision]
+            cands = list(self.dispatcher.alternatives(shape, rc) or [decision])
         except (AttributeError, MxdbError):
             cands = [decision]
+        # FlagGems' own choice is always the last candidate: when every config the store
+        # offers has degraded, healing falls back to it before giving up on the key.
+        safe = self.safe_config(shape)
+        if safe is not None and all(getattr(d.config, "hash", None) != safe.hash for d in cands):
+            cands.append(
+                Decision(config=safe, level=FALLBACK, confidence=0.0, reason="healing_fallback")
+            )
         recorded: list[float | None] = []
         store = getattr(self.dispatcher, "store", None)
         for d in cands:
@@ -733,6 +757,7 @@ def install(
     pipeline_factory: PipelineFactory | None = None,
     lean: bool = True,
     lean_max_tokens: int = 256,
+    safe_config: Callable[[MoEShape], KernelConfig | None] | None = None,
 ) -> Hook:
     """Make FlagGems' fused-MoE path take its configs from mxdb; returns the installed hook.
 
@@ -742,7 +767,9 @@ def install(
     configs (None disables).  ``split``: what to do with configs FlagGems cannot express
     (``pipeline``, ``gemm1`` or ``fallback``; see the module docstring).  ``lean``: run every
     call mxdb can run on CUDA tensors with at most ``lean_max_tokens`` tokens through mxdb's
-    lean layer (False keeps FlagGems' own path).  Installing again replaces the previous
+    lean layer (False keeps FlagGems' own path).  ``safe_config``: FlagGems' own config for a
+    shape, healing's last candidate after the store's alternatives (default: asked of
+    FlagGems; None where it cannot be asked).  Installing again replaces the previous
     installation.
     """
     global _installed
@@ -759,6 +786,7 @@ def install(
         pipeline_factory=pipeline_factory,
         lean=lean,
         lean_max_tokens=lean_max_tokens,
+        safe_config=safe_config,
     )
     with _install_lock:
         if _installed is not None:
