@@ -39,7 +39,8 @@ decoder (``--decoder``):
   MoE blocks call the installed hook); a step is one greedy decode step of a batch of M
   sequences with a KV cache, the sequences restarting every ``--context`` steps.  Before the
   phases, 4 decode steps of the patched model are compared with the unpatched model's logits
-  (``model_check``).
+  (``model_check``).  Python's cyclic garbage collector is off during the phases and the
+  ladder (collected and frozen first), so its pauses do not land in random chunks.
 * ``stack``: ``--layers`` Qwen3-30B-A3B MoE layers only (random weights and gates), each call
   through FlagGems' public ``fused_experts_impl``.
 
@@ -76,6 +77,7 @@ options (its raw file does not record them); publish checks them against its chu
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import math
@@ -753,6 +755,12 @@ def run_healing(a: argparse.Namespace) -> None:
         if isinstance(dec, ModelDecoder):
             doc["model_check"] = dec.check(m)
             atomic_json(out, doc)
+        # Python's cyclic collector pauses a CPU-bound decode loop at random steps (the model
+        # allocates thousands of objects per step); with it off in every phase and rung alike,
+        # the chunks measure the decode, not the collector's schedule.
+        gc.collect()
+        gc.freeze()
+        gc.disable()
         # warm up: every lean layer (the target, each alternative and FlagGems' own choice,
         # healing's last candidate) built on every layer
         x = x0
@@ -842,6 +850,8 @@ def run_healing(a: argparse.Namespace) -> None:
     except Exception as exc:
         doc["errors"].append(f"{type(exc).__name__}: {exc}"[:1000])
     finally:
+        gc.enable()
+        gc.unfreeze()
         mxdb.uninstall()
         dispatcher.set_override(shape, rc, None)
         dec.close()
