@@ -413,7 +413,7 @@ def publish(raw_path: Path, bundle: Path) -> None:
     import shutil
 
     from mxdb.evidence.files import atomic_write, dumps
-    from mxdb.evidence.peers import PEERS_FILE, PeersDoc, build_peers, trace_figures
+    from mxdb.evidence.peers import PEERS_FILE, build_peers, to_json, trace_class, trace_figures
     from mxdb.evidence.summary import load_runs
     from mxdb.evidence.writer import BundleWriter, write_manifest
     from mxdb.models import Fingerprint
@@ -429,49 +429,89 @@ def publish(raw_path: Path, bundle: Path) -> None:
     points: list[dict[str, Any]] = []
     active: dict[str, int] = {}
     hot: dict[str, float] = {}
-    for p in raw["points"]:
+    classes: dict[str, str] = {}
+    errors = list(raw.get("errors", []))
+    copy = "a" if raw.get("rule") == "verdict" else "c"
+
+    def record(p: dict[str, Any], inst: dict[str, Any], base: str, group: str) -> str:
+        """Write one comparison's trace and runs (``inst``: a single-instance point or one
+        instance of a point); returns the trace hash."""
         shape = preset_shape(p["family"], p["tokens"], "bf16")
         th = w.add_trace(
-            p["ids"],
+            inst["ids"],
             experts=shape.experts,
             generator={
                 "kind": p.get("generator", p["routing"]),
-                "seed": p["seed"],
+                "seed": inst["seed"],
                 "params": p["routing_params"],
             },
         )
-        active[th], hot[th] = trace_figures(p["ids"])
-        base = f"{SHORT[p['family']]}-m{p['tokens']}-{p['routing']}"
-        copy = "a" if raw.get("rule") == "verdict" else "c"
-        for n, samples in p["graph_us"].items():
+        active[th], hot[th] = trace_figures(inst["ids"])
+        for n, samples in inst["graph_us"].items():
             key = copy if n.startswith("ctl") else n
-            err, rel, ok = p["correctness"][n]
+            err, rel, ok = inst["correctness"][n]
             role = "control" if n.startswith("ctl") else ROLE[n]
             w.record(
                 run_id=f"{base}-{n}",
                 shape=shape,
-                routing_class=p["routing"],
-                config=p["configs"][key],
+                routing_class=group,
+                config=inst["configs"][key],
                 role=role,
                 status="ok" if ok or role == "baseline" else "wrong",
                 trace_hash=th,
-                seed=p["seed"],
+                seed=inst["seed"],
                 samples_us=samples,
-                eager_samples_us=p["eager_us"].get(n),
+                eager_samples_us=inst["eager_us"].get(n),
                 max_abs_err=err,
                 rel_err=rel,
                 pair_id=f"{base}-ctl" if role == "control" else None,
+            )
+        return th
+
+    for p in raw["points"]:
+        base = f"{SHORT[p['family']]}-m{p['tokens']}-{p['routing']}"
+        if "instances" not in p:  # one routing instance per point (schema 1.0 / 1.1)
+            th = record(p, p, base, p["routing"])
+            points.append(
+                {
+                    "family": p["family"],
+                    "tokens": p["tokens"],
+                    "routing": p["routing"],
+                    "routing_class": p["routing_class"],
+                    "trace_hash": th,
+                    "runs": {n: f"{base}-{n}" for n in p["graph_us"]},
+                    "dispatch_reason_c": (p.get("reasons") or {}).get("c"),
+                    "dispatch_reason_d": (p.get("reasons") or {}).get("d"),
+                }
+            )
+            continue
+        # schema 1.2: each instance its own trace and runs (summary group: the instance)
+        insts = []
+        for inst in p["instances"]:
+            i = inst["instance"]
+            th = record(p, inst, f"{base}-i{i}", f"{p['routing']}-instance{i}")
+            shape = preset_shape(p["family"], p["tokens"], "bf16")
+            classes[th] = trace_class(inst["ids"], shape.experts)
+            if classes[th] != inst["routing_class"]:
+                errors.append(
+                    f"{base} instance {i}: the run recorded class {inst['routing_class']}, "
+                    f"its trace classifies as {classes[th]} (peers.json gives the trace's)"
+                )
+            insts.append(
+                {
+                    "instance": i,
+                    "trace_hash": th,
+                    "runs": {n: f"{base}-i{i}-{n}" for n in inst["graph_us"]},
+                    "dispatch_reason_c": (inst.get("reasons") or {}).get("c"),
+                    "dispatch_reason_d": (inst.get("reasons") or {}).get("d"),
+                }
             )
         points.append(
             {
                 "family": p["family"],
                 "tokens": p["tokens"],
                 "routing": p["routing"],
-                "routing_class": p["routing_class"],
-                "trace_hash": th,
-                "runs": {n: f"{base}-{n}" for n in p["graph_us"]},
-                "dispatch_reason_c": (p.get("reasons") or {}).get("c"),
-                "dispatch_reason_d": (p.get("reasons") or {}).get("d"),
+                "instances": insts,
             }
         )
     w.finish(bandwidth_bytes_per_s=raw["bandwidth_bytes_per_s"])
@@ -484,15 +524,13 @@ def publish(raw_path: Path, bundle: Path) -> None:
         fingerprint_hash=fp.hash,
         bandwidth_bytes_per_s=raw["bandwidth_bytes_per_s"],
         dispatch_cost=raw.get("dispatch_cost") or {},
-        errors=raw.get("errors", []),
+        errors=errors,
         hot_shares=hot,
         rule=raw.get("rule"),
         routing_source=raw.get("trace_source") if raw.get("rule") else None,
+        trace_classes=classes or None,
     )
-    doc = PeersDoc.model_validate(doc).to_json_dict()
-    for key in ("rule", "routing_source"):  # fields of the verdict layout only
-        if doc.get(key) is None:
-            doc.pop(key, None)
+    doc = to_json(doc)
     atomic_write(tmp / PEERS_FILE, dumps(doc))
     atomic_write_text(tmp / "report" / "peers.md", render(doc))
     plots(doc, tmp / "report")
@@ -540,6 +578,28 @@ def render(doc: dict[str, Any]) -> str:
             f"{x(r.get('eager_speedup_layer_over_fused_experts_impl'))} | "
             f"{x(r.get('eager_over_graph_layer'))} |"
         )
+    if f.get("n_instances") is not None:  # schema 1.2: the instances behind each point
+        lines[4:4] = [
+            f"- each point pools {f['n_instances']} held-out routing instances in all "
+            "(speedups: paired over the pooled rounds); instances where (c) is slower than "
+            f"(a) / (b) on their own rounds: {f['instances_c_slower_than_a']} / "
+            f"{f['instances_c_slower_than_b']} of {f['n_instances']}",
+        ]
+        lines += [
+            "",
+            "## Instances (each judged on its own rounds)",
+            "",
+            "| family | M | routing | instance | class | dispatch (c) | c/a | vs a | c/b | vs b |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in f["points"]:
+            for i in r.get("instances") or ():
+                lines.append(
+                    f"| {r['family']} | {r['tokens']} | {r['routing']} | {i['instance']} | "
+                    f"{i['routing_class']} | {i.get('dispatch_reason_c') or '-'} | "
+                    f"{x(i['speedup_c_over_a'])} | {i['outcome_c_vs_a']} | "
+                    f"{x(i['speedup_c_over_b'])} | {i['outcome_c_vs_b']} |"
+                )
     lines += ["", *targets_markdown(doc["targets"]), "", *explanations_markdown(doc)]
     return "\n".join(lines).rstrip("\n") + "\n"
 

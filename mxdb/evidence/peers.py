@@ -1144,6 +1144,22 @@ def explanations_markdown(doc: Mapping[str, Any]) -> list[str]:
                 "config: identical configs timed apart by more than the control pair's noise "
                 "band, which understates the noise there. Points: " + _listing(refs, slower) + "."
             )
+            inst = ex.get(f"instances_c_slower_than_{x}")
+            if inst is not None:
+
+                def instance(f: Mapping[str, Any], x: str = x) -> str:
+                    return (
+                        f"instance {f['instance']}, class {f['routing_class']}, (c)/({x}) "
+                        f"{_num(f[f'speedup_c_over_{x}'])}, pooled point slower: "
+                        f"{f[f'pooled_c_slower_than_{x}']}"
+                    )
+
+                lines.append(
+                    f"  Instances where (c) is slower than ({x}) on their own rounds (the point "
+                    f"pools its instances): {len(inst)}"
+                    + (": " if inst else ".")
+                    + _listing(inst, instance)
+                )
         elif name == "decode_floor_fraction":
             best = ex["decode_geomean_floor_fraction_best"]
             lines.append(
