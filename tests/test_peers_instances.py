@@ -397,3 +397,141 @@ def test_old_raw_layouts_publish_as_before(tmp_path: Path) -> None:
     assert doc["points"][0]["runs"]["a"] == "mixtral-m4-zipf-a"
     assert all("instances" not in p for p in doc["points"])
     assert _checks(bundle) == set()
+
+
+def _fake_gpu(monkeypatch: pytest.MonkeyPatch, calls: list[dict[str, Any]]) -> None:
+    """Stand-ins for torch, FlagGems and mxdb's kernels, so ``run`` executes on a CPU."""
+    import sys
+    import types
+
+    from mxdb.configs import KernelConfig
+
+    class Tensor:
+        def cuda(self) -> Tensor:
+            return self
+
+        def clone(self) -> Tensor:
+            return self
+
+    class Fingerprint:
+        hash = "0" * 16
+
+        def components(self) -> dict[str, Any]:
+            return dict(FP)
+
+    class Backend:
+        def fingerprint(self) -> Fingerprint:
+            return Fingerprint()
+
+        def compile_raw(self, specs: list[Any]) -> None:
+            calls.append({"compiled": len(specs)})
+
+        def close(self) -> None:
+            pass
+
+    class Callable_:
+        def __init__(self, *args: Any) -> None:
+            pass
+
+        def __call__(self, *args: Any) -> Tensor:
+            return Tensor()
+
+    def time_interleaved(fns: list[Any], **kw: Any) -> list[list[float]]:
+        for f in fns:
+            f()
+        calls.append({"arms": len(fns), **kw})
+        return [[100.0 + j + 0.01 * r for r in range(kw["reps"])] for j in range(len(fns))]
+
+    result = types.SimpleNamespace(max_abs_err=0.01, rel_err=0.004, passed=True)
+    fakes = {
+        "torch": {
+            "from_numpy": lambda a: Tensor(),
+            "cuda": types.SimpleNamespace(empty_cache=lambda: None),
+        },
+        "flag_gems": {},
+        "flag_gems.fused": {},
+        "flag_gems.fused.fused_moe": {"fused_experts_impl": lambda *a: Tensor()},
+        "mxdb.kernels": {},
+        "mxdb.kernels.backend": {"GpuBackend": Backend, "flaggems_config": lambda s: None},
+        "mxdb.kernels.compile": {"specs_for": lambda shape, c: [c.hash]},
+        "mxdb.kernels.layer": {
+            "MoELayer": Callable_,
+            "flaggems_kernel_config": lambda s: KernelConfig.model_validate(CFG_A),
+        },
+        "mxdb.kernels.pipeline": {"MoEPipeline": Callable_},
+        "mxdb.kernels.reference": {
+            "compare": lambda *a: result,
+            "make_activations": lambda *a: (Tensor(), Tensor(), Tensor()),
+            "make_weights": lambda *a: (Tensor(), Tensor()),
+            "moe_reference": lambda *a: Tensor(),
+        },
+        "mxdb.kernels.timing": {"time_interleaved": time_interleaved},
+    }
+    for name, attrs in fakes.items():
+        mod = types.ModuleType(name)
+        mod.__dict__.update(attrs)
+        monkeypatch.setitem(sys.modules, name, mod)
+
+
+def test_heldout_run_times_each_instance_on_its_own(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``run --heldout --instances 3`` on stand-ins for the GPU: each point's raw output holds
+    three instances, dispatched for their own class against the real store export, each timed
+    in its own rounds with its own order seed; ``publish`` makes an audit-clean 1.2 bundle."""
+    import argparse
+
+    from mxdb.routing import classify, features
+
+    peers = _load("peers.py")
+    calls: list[dict[str, Any]] = []
+    _fake_gpu(monkeypatch, calls)
+    monkeypatch.setattr(peers, "bandwidth", lambda torch: 4.2e12)
+    monkeypatch.setattr(peers, "dispatch_cost", lambda d, s: {"mxdb_dispatch_hit_us": 0.2})
+    vllm = tmp_path / "vllm"
+    vllm.mkdir()
+    row = {
+        "BLOCK_SIZE_M": 16,
+        "BLOCK_SIZE_N": 64,
+        "BLOCK_SIZE_K": 128,
+        "GROUP_SIZE_M": 1,
+        "num_warps": 4,
+        "num_stages": 3,
+    }
+    for tag in peers.FAMILIES.values():
+        (vllm / f"{tag},device_name=NVIDIA_H200.json").write_text(json.dumps({"1": row}))
+    out = tmp_path / "raw.json"
+    a = argparse.Namespace(
+        out=str(out),
+        store_export=str(REPO / "evidence" / "store-export.json"),
+        vllm_dir=str(vllm),
+        workload=None,
+        deadline_s=1e9,
+        heldout=True,
+        instances=3,
+    )
+    peers.run(a)
+    raw = json.loads(out.read_text())
+    assert raw["errors"] == [] and raw["rule"] == "verdict" and raw["instances"] == 3
+    assert len(raw["points"]) == 78
+    for p in raw["points"]:
+        assert [i["instance"] for i in p["instances"]] == [0, 1, 2]
+        experts = {"mixtral-8x7b": 8, "qwen3-30b-a3b": 128}[p["family"]]
+        for i in p["instances"]:
+            want = peers.heldout_seed(p["family"], p["tokens"], p["routing"], i["instance"])
+            assert i["seed"] == i["order_seed"] == want
+            assert i["routing_class"] == str(classify(features(i["ids"], experts)))
+            reps, cps = peers.instance_reps(p["tokens"], 3)
+            assert all(len(s) == reps for s in i["graph_us"].values())
+            assert i["configs"]["c"] and set(i["reasons"]) == {"c", "d"}
+            assert i["correctness"]["ctl1"][2] is True
+    graph = [c for c in calls if c.get("method") == "graph"]
+    assert len(graph) == 78 * 3
+    assert [c["order_seed"] for c in graph[:3]] == [
+        i["seed"] for i in raw["points"][0]["instances"]
+    ]
+    bundle = tmp_path / "h200-peers-pooled"
+    peers.publish(out, bundle)
+    assert _checks(bundle) == set()
+    doc = _doc(bundle)
+    assert doc["schema_version"] == "1.2" and doc["figures"]["n_instances"] == 234
