@@ -523,6 +523,7 @@ def test_heldout_run_times_each_instance_on_its_own(
             assert i["routing_class"] == str(classify(features(i["ids"], experts)))
             reps, cps = peers.instance_reps(p["tokens"], 3)
             assert all(len(s) == reps for s in i["graph_us"].values())
+            assert (i["reps"], i["calls_per_sample"]) == (reps, cps)
             assert i["configs"]["c"] and set(i["reasons"]) == {"c", "d"}
             assert i["correctness"]["ctl1"][2] is True
     graph = [c for c in calls if c.get("method") == "graph"]
