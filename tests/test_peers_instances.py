@@ -536,3 +536,52 @@ def test_heldout_run_times_each_instance_on_its_own(
     assert _checks(bundle) == set()
     doc = _doc(bundle)
     assert doc["schema_version"] == "1.2" and doc["figures"]["n_instances"] == 234
+
+
+def test_sparse_workload_covers_the_class_heldout_zipf_instances_of_qwen3_fall_in() -> None:
+    from mxdb.routing import classify, features
+    from mxdb.shapes import preset_shape
+    from mxdb.tune.traces import point_traces
+    from mxdb.tune.workload import SparseRouting, load_workload
+
+    peers = _load("peers.py")
+    wl = load_workload(REPO / "examples" / "workloads" / "h200-peers-sparse.yaml")
+    assert [m.label for m in wl.models] == ["qwen3-30b-a3b"] and wl.dtypes == ["bf16"]
+    assert wl.tokens == [16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
+    assert wl.routings == [SparseRouting(active=0.25)]
+    assert len(wl.points()) == 9
+    # the search options are h200-peers.yaml's
+    assert wl.search == load_workload(REPO / "examples" / "workloads" / "h200-peers.yaml").search
+    fam = preset_shape("qwen3-30b-a3b", 1, "bf16")
+    assert (fam.experts, fam.topk) == (128, 8)
+    for m in wl.tokens:
+        replay, _ = point_traces(wl, fam.with_tokens(m), 0)
+        assert replay.routing_class == "sparse", m
+        for seed in range(3):  # other instances of the kind too
+            ids = generate("sparse", m, 128, 8, seed=seed, active=0.25)
+            assert str(classify(features(ids, 128))) == "sparse", (m, seed)
+    # ... the class the held-out Zipf instances of Qwen3 fall in from M = 16 to 1024
+    for m in (16, 32, 64, 128, 256, 512, 1024):
+        for i in range(3):
+            seed = peers.heldout_seed("qwen3-30b-a3b", m, "zipf", i)
+            ids = generate("logits", m, 128, 8, seed=seed, **peers.HELDOUT["zipf"])
+            assert str(classify(features(ids, 128))) == "sparse", (m, i)
+
+
+def test_sparse_routing_in_a_workload() -> None:
+    from mxdb.errors import WorkloadError
+    from mxdb.tune.workload import parse_workload
+
+    wl = parse_workload(
+        {"name": "s", "models": ["qwen3-30b-a3b"], "tokens": [64], "routings": [{"kind": "sparse"}]}
+    )
+    assert wl.routings[0].label() == "sparse0.25"
+    with pytest.raises(WorkloadError):
+        parse_workload(
+            {
+                "name": "s",
+                "models": ["qwen3-30b-a3b"],
+                "tokens": [64],
+                "routings": [{"kind": "sparse", "active": 0}],
+            }
+        )
