@@ -1,4 +1,4 @@
-"""The peers comparison (``peers.json``, ``mxdb.peers`` 1.0-1.2): its figures, from the runs' samples.
+"""The peers comparison (``peers.json``, ``mxdb.peers``): its figures, from the runs' samples.
 
 A peers bundle times, per point (model family, token count M, routing), in one interleaved
 process on one GPU:
