@@ -2,7 +2,7 @@
 
 Usage (GPU host):  python benchmarks/peers.py run OUT.json --store-export EXPORT.json
                    [--workload examples/workloads/h200-peers.yaml] [--vllm-dir DIR]
-                   [--deadline-s S]
+                   [--deadline-s S] [--heldout [--instances K]]
 Usage (anywhere):  python benchmarks/peers.py publish OUT.json evidence/h200-peers
 
 ``run``: for Mixtral-8x7B and Qwen3-30B-A3B (bf16), M in 1..4096 and uniform / Zipf / hot-expert
@@ -22,7 +22,15 @@ measured in the same run.  Also the dispatch cost: ``mxdb`` dispatch hit against
 Routing: with ``--workload`` (the tuning workload of the store, e.g.
 ``examples/workloads/h200-peers.yaml``) each point replays the trace that workload replayed when
 it was tuned, so the class it dispatches with is the class the point was tuned under; without
-it, the point's routing is generated here (seed = M).  The dispatcher answers as the export's
+it, the point's routing is generated here (seed = M).  With ``--heldout`` a point is a routing
+distribution judged on K held-out instances (``--instances``, default 3): instance ``i`` is
+drawn by ``mxdb.routing_gen`` kind ``logits`` with seed ``heldout_seed(preset, M, kind, i)``
+(instance 0's seed is the one of the single-instance runs), classified and dispatched on its
+own (class, reasons and configs recorded per instance), and timed in its own interleaved
+rounds of random order (order seed = its seed; ``instance_reps`` rounds: about 1.6x one
+instance's rounds pooled, never fewer than ``verdict.MIN_ROUNDS`` per instance).  The raw
+point then holds ``instances``; ``publish`` writes ``mxdb.peers`` 1.2, whose verdict per point
+pools the instances' rounds.  The dispatcher answers as the export's
 fingerprint that equals this host's (else the export's first one), under the strict policy.
 
 ``publish``: writes the evidence bundle from OUT.json: runs with raw samples, summary, report, and
@@ -50,12 +58,42 @@ ROUTINGS = {"uniform": {}, "zipf": {"s": 1.2}, "hot": {"fraction": 0.5, "hot_exp
 HELDOUT = {"uniform": {}, "zipf": {"s": 1.2}, "hot": {"hot_bias": 1.5, "hot_expert": 0}}
 
 
-def heldout_seed(preset: str, tokens: int, kind: str) -> int:
-    """A seed of the held-out instance of one point, unrelated to the workload's seeds."""
+def heldout_seed(preset: str, tokens: int, kind: str, instance: int = 0) -> int:
+    """The seed of held-out instance ``instance`` of one point, unrelated to the workload's.
+
+    Instance 0's seed is the seed of the single-instance runs (schema 1.1): the index enters
+    the hashed text only from instance 1 on, so instance 0 of a new run is the old instance.
+    """
     import hashlib
 
     text = f"peers-heldout|{preset}|{tokens}|{kind}"
+    if instance:
+        text += f"|{instance}"
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big")
+
+
+#: Rounds and calls per sample of one interleaved comparison, for M < 512 and M >= 512, when
+#: each point is timed on one routing instance.
+REPS = {False: (15, 4), True: (7, 2)}
+
+
+def instance_reps(tokens: int, instances: int) -> tuple[int, int]:
+    """(rounds, calls per sample) of each of a point's ``instances`` held-out instances.
+
+    One instance keeps today's (15, 4) below M = 512 and (7, 2) from there.  With K instances
+    each gets ``max(verdict.MIN_ROUNDS, ceil(rounds * 1.6 / K))`` rounds (calls per sample
+    unchanged): the pooled verdict then has about 1.6x the rounds of one instance (K = 3:
+    8 rounds each below M = 512, 24 pooled; 6 each from M = 512, 18 pooled), and each
+    instance on its own still has the sign test's minimum, so its own verdict is defined.
+    """
+    import math
+
+    from mxdb.verdict import MIN_ROUNDS
+
+    reps, cps = REPS[tokens >= 512]
+    if instances <= 1:
+        return reps, cps
+    return max(MIN_ROUNDS, math.ceil(reps * 1.6 / instances)), cps
 
 
 def atomic_json(path: Path, doc: Any) -> None:
@@ -109,6 +147,36 @@ def dispatch_cost(dispatcher: Any, shape: Any) -> dict[str, float]:
     return {"mxdb_dispatch_hit_us": mx, "flaggems_lookup_us": fg}
 
 
+def dispatch_info(
+    dispatcher: Any, shape: Any, ids: Any, table: dict[str, Any], seed: int
+) -> dict[str, Any]:
+    """One routing instance's class and the configs each arm runs for it: (a) FlagGems',
+    (b) vLLM's row, and, with a dispatcher, (c) its answer for the instance's class and (d)
+    its routing-oblivious answer (FlagGems' config where it falls back)."""
+    from mxdb.kernels.layer import flaggems_kernel_config
+
+    from mxdb.routing import classify, features
+
+    rclass = classify(features(ids, shape.experts))
+    cfgs: dict[str, Any] = {
+        "a": flaggems_kernel_config(shape),
+        "b": vllm_config(table, shape.tokens),
+    }
+    reasons = {}
+    answered: dict[str, Any] = {}
+    if dispatcher is not None:
+        dc = dispatcher.dispatch(shape, rclass)
+        du = dispatcher.dispatch(shape, "uniform")
+        reasons = {"c": dc.reason, "d": du.reason}
+        answered = {
+            n: {"entry_tokens": dd.tokens, "entry_routing_class": dd.routing_class}
+            for n, dd in (("c", dc), ("d", du))
+        }
+        cfgs["c"] = dc.config if dc.config is not None else cfgs["a"]
+        cfgs["d"] = du.config if du.config is not None else cfgs["a"]
+    return {"cfgs": cfgs, "rclass": rclass, "reasons": reasons, "answered": answered, "seed": seed}
+
+
 def workload_traces(path: str) -> dict[tuple[str, int, str], tuple[Any, int]]:
     """(family preset, M, routing kind) -> (replayed ids, seed) of a tuning workload's points.
 
@@ -154,14 +222,13 @@ def run(a: argparse.Namespace) -> None:
     import torch
     from mxdb.kernels.backend import GpuBackend
     from mxdb.kernels.compile import specs_for
-    from mxdb.kernels.layer import MoELayer, flaggems_kernel_config
+    from mxdb.kernels.layer import MoELayer
     from mxdb.kernels.pipeline import MoEPipeline
     from mxdb.kernels.reference import compare, make_activations, make_weights, moe_reference
     from mxdb.kernels.timing import time_interleaved
 
     from mxdb.dispatcher import Dispatcher, DispatchOptions
     from mxdb.interop.export import import_export, read_export
-    from mxdb.routing import classify, features
     from mxdb.routing_gen import generate
     from mxdb.shapes import preset_shape
     from mxdb.store import Store
@@ -181,9 +248,12 @@ def run(a: argparse.Namespace) -> None:
         doc["trace_source"] = (
             "held-out: mxdb.routing_gen kind logits (top-k of N(0,1) router logits plus a "
             "Zipf(1.2) bias for zipf, +1.5 on expert 0 for hot), seeds from "
-            "benchmarks/peers.py heldout_seed; the tuner never draws from this generator"
+            f"benchmarks/peers.py heldout_seed(preset, M, kind, i) for {a.instances} "
+            "instances i per point, each timed in its own rounds and pooled by the verdict; "
+            "the tuner never draws from this generator"
         )
         doc["rule"] = "verdict"
+        doc["instances"] = a.instances
     if a.store_export and Path(a.store_export).exists():
         exp = read_export(a.store_export)
         tmp = tempfile.mkdtemp()
@@ -208,116 +278,115 @@ def run(a: argparse.Namespace) -> None:
             doc.setdefault("dispatch_cost", {})[preset] = dispatch_cost(
                 dispatcher, fam.with_tokens(4)
             )
-        plan: list[tuple[int, str, Any, dict[str, Any]]] = []
+        # per point: (M, routing kind, its instances: (ids, dispatch info) each)
+        plan: list[tuple[int, str, list[tuple[Any, dict[str, Any]]]]] = []
         specs = []
         for m in TOKENS:
             shape = fam.with_tokens(m)
             for kind, params in ROUTINGS.items():
-                if a.heldout:
-                    seed = heldout_seed(preset, m, kind)
-                    ids = generate("logits", m, fam.experts, fam.topk, seed=seed, **HELDOUT[kind])
-                elif traces is not None:
-                    ids, seed = traces[(preset, m, kind)]
-                else:
-                    ids, seed = generate(kind, m, fam.experts, fam.topk, seed=m, **params), m
-                rclass = classify(features(ids, fam.experts))
-                cfgs: dict[str, Any] = {
-                    "a": flaggems_kernel_config(shape),
-                    "b": vllm_config(table, m),
-                }
-                reasons = {}
-                answered: dict[str, Any] = {}
-                if dispatcher is not None:
-                    dc = dispatcher.dispatch(shape, rclass)
-                    du = dispatcher.dispatch(shape, "uniform")
-                    reasons = {"c": dc.reason, "d": du.reason}
-                    answered = {
-                        n: {"entry_tokens": dd.tokens, "entry_routing_class": dd.routing_class}
-                        for n, dd in (("c", dc), ("d", du))
-                    }
-                    cfgs["c"] = dc.config if dc.config is not None else cfgs["a"]
-                    cfgs["d"] = du.config if du.config is not None else cfgs["a"]
-                info: dict[str, Any] = {
-                    "cfgs": cfgs,
-                    "rclass": rclass,
-                    "reasons": reasons,
-                    "answered": answered,
-                    "seed": seed,
-                }
-                plan.append((m, kind, ids, info))
-                for c in {c.hash: c for c in cfgs.values()}.values():
+                drawn = []
+                point_cfgs: dict[str, Any] = {}
+                for i in range(a.instances if a.heldout else 1):
+                    if a.heldout:
+                        seed = heldout_seed(preset, m, kind, i)
+                        ids = generate(
+                            "logits", m, fam.experts, fam.topk, seed=seed, **HELDOUT[kind]
+                        )
+                    elif traces is not None:
+                        ids, seed = traces[(preset, m, kind)]
+                    else:
+                        ids, seed = generate(kind, m, fam.experts, fam.topk, seed=m, **params), m
+                    info = dispatch_info(dispatcher, shape, ids, table, seed)
+                    drawn.append((ids, info))
+                    point_cfgs.update({c.hash: c for c in info["cfgs"].values()})
+                for c in point_cfgs.values():
                     specs.extend(specs_for(shape, c))
+                plan.append((m, kind, drawn))
         t0 = time.monotonic()
         backend.compile_raw(specs)
         doc.setdefault("compile_s", {})[preset] = time.monotonic() - t0
         layers: dict[str, Any] = {}
-        for m, kind, ids_np, info in plan:
+
+        def time_instance(m: int, ids_np: Any, info: dict[str, Any]) -> dict[str, Any]:
+            """Time one routing instance: every arm in interleaved rounds (graph), and eager."""
+            shape = fam.with_tokens(m)
+            ids_t = torch.from_numpy(np.ascontiguousarray(ids_np, dtype=np.int32)).cuda()
+            x, tw, ids = make_activations(shape, m, ids_t, "cuda")
+            ref = moe_reference(x, w1, w2, tw, ids)
+            cfgs = info["cfgs"]
+            names = list(cfgs)
+            if "d" in cfgs and cfgs["d"].hash == cfgs["c"].hash:
+                names.remove("d")
+            pipes = {n: MoEPipeline(shape, cfgs[n], w1, w2) for n in names}
+            # same-config copies: of (a) under the verdict rule (its noise band), else of (c)
+            copy = "a" if a.heldout else "c"
+            if "c" in cfgs:
+                pipes["ctl1"] = MoEPipeline(shape, cfgs[copy], w1, w2)
+                pipes["ctl2"] = MoEPipeline(shape, cfgs[copy], w1, w2)
+            corr = {}
+            for n, p in pipes.items():
+                r = compare(p(x, tw, ids).clone(), ref, "bf16")
+                corr[n] = [r.max_abs_err, r.rel_err, r.passed]
+            reps, cps = instance_reps(m, a.instances if a.heldout else 1)
+            order = list(pipes)
+            g = time_interleaved(
+                [lambda p=pipes[n]: p(x, tw, ids) for n in order],
+                reps=reps, method="graph", calls_per_sample=cps, warmup=2,
+                order_seed=info["seed"] if a.heldout else None,
+            )  # fmt: skip
+            graph = dict(zip(order, g, strict=True))
+            eager: dict[str, list[float]] = {}
+            if "c" in cfgs:
+                key = cfgs["c"].hash
+                lay = layers.get(key)
+                if lay is None:
+                    lay = layers[key] = MoELayer(w1, w2, fam.topk, lambda _m, c=cfgs["c"]: c)
+                e = time_interleaved(
+                    [
+                        lambda: fm.fused_experts_impl(x, w1, w2, tw, ids),
+                        lambda: lay(x, tw, ids),
+                    ],
+                    reps=reps, method="eager", calls_per_sample=cps, warmup=2,
+                )  # fmt: skip
+                eager = {"a": e[0], "c": e[1]}
+            del pipes
+            return {
+                "seed": info["seed"],
+                "order_seed": info["seed"] if a.heldout else None,
+                "routing_class": info["rclass"],
+                "ids": ids_np.tolist(),
+                "configs": {n: cfgs[n].model_dump() for n in cfgs},
+                "reasons": info["reasons"],
+                "answered": info["answered"],
+                "correctness": corr,
+                "graph_us": graph,
+                "eager_us": eager,
+                "reps": reps,
+                "calls_per_sample": cps,
+            }
+
+        for m, kind, drawn in plan:
             if time.monotonic() - t_start > a.deadline_s:
                 doc["errors"].append(f"deadline: skipped {preset} M={m} {kind} and later")
                 break
             try:
-                shape = fam.with_tokens(m)
-                ids_t = torch.from_numpy(np.ascontiguousarray(ids_np, dtype=np.int32)).cuda()
-                x, tw, ids = make_activations(shape, m, ids_t, "cuda")
-                ref = moe_reference(x, w1, w2, tw, ids)
-                cfgs = info["cfgs"]
-                names = list(cfgs)
-                if "d" in cfgs and cfgs["d"].hash == cfgs["c"].hash:
-                    names.remove("d")
-                pipes = {n: MoEPipeline(shape, cfgs[n], w1, w2) for n in names}
-                # same-config copies: of (a) under the verdict rule (its noise band), else of (c)
-                copy = "a" if a.heldout else "c"
-                if "c" in cfgs:
-                    pipes["ctl1"] = MoEPipeline(shape, cfgs[copy], w1, w2)
-                    pipes["ctl2"] = MoEPipeline(shape, cfgs[copy], w1, w2)
-                corr = {}
-                for n, p in pipes.items():
-                    r = compare(p(x, tw, ids).clone(), ref, "bf16")
-                    corr[n] = [r.max_abs_err, r.rel_err, r.passed]
-                big = m >= 512
-                reps, cps = (7, 2) if big else (15, 4)
-                order = list(pipes)
-                g = time_interleaved(
-                    [lambda p=pipes[n]: p(x, tw, ids) for n in order],
-                    reps=reps, method="graph", calls_per_sample=cps, warmup=2,
-                    order_seed=info["seed"] if a.heldout else None,
-                )  # fmt: skip
-                graph = dict(zip(order, g, strict=True))
-                eager: dict[str, list[float]] = {}
-                if "c" in cfgs:
-                    key = cfgs["c"].hash
-                    lay = layers.get(key)
-                    if lay is None:
-                        lay = layers[key] = MoELayer(w1, w2, fam.topk, lambda _m, c=cfgs["c"]: c)
-                    e = time_interleaved(
-                        [
-                            lambda: fm.fused_experts_impl(x, w1, w2, tw, ids),
-                            lambda: lay(x, tw, ids),
-                        ],
-                        reps=reps, method="eager", calls_per_sample=cps, warmup=2,
-                    )  # fmt: skip
-                    eager = {"a": e[0], "c": e[1]}
-                doc["points"].append(
-                    {
-                        "family": preset,
-                        "tokens": m,
-                        "routing": kind,
-                        "routing_params": HELDOUT[kind] if a.heldout else ROUTINGS[kind],
-                        "generator": "logits" if a.heldout else kind,
-                        "seed": info["seed"],
-                        "routing_class": info["rclass"],
-                        "ids": ids_np.tolist(),
-                        "configs": {n: cfgs[n].model_dump() for n in cfgs},
-                        "reasons": info["reasons"],
-                        "answered": info["answered"],
-                        "correctness": corr,
-                        "graph_us": graph,
-                        "eager_us": eager,
-                        "reps": reps,
-                        "calls_per_sample": cps,
-                    }
-                )
-                del pipes
+                timed = [time_instance(m, ids_np, info) for ids_np, info in drawn]
+                point: dict[str, Any] = {
+                    "family": preset,
+                    "tokens": m,
+                    "routing": kind,
+                    "routing_params": HELDOUT[kind] if a.heldout else ROUTINGS[kind],
+                    "generator": "logits" if a.heldout else kind,
+                }
+                if a.heldout:  # every instance on its own, with its index
+                    point["reps"] = timed[0]["reps"]
+                    point["calls_per_sample"] = timed[0]["calls_per_sample"]
+                    point["instances"] = [{"instance": i, **t} for i, t in enumerate(timed)]
+                else:  # the single-instance layout, as before
+                    t = timed[0]
+                    t.pop("order_seed")
+                    point.update(t)
+                doc["points"].append(point)
             except Exception as exc:  # keep going: failures are results
                 doc["errors"].append(f"{preset} M={m} {kind}: {type(exc).__name__}: {exc}"[:500])
             atomic_json(out, doc)
@@ -344,7 +413,7 @@ def publish(raw_path: Path, bundle: Path) -> None:
     import shutil
 
     from mxdb.evidence.files import atomic_write, dumps
-    from mxdb.evidence.peers import PEERS_FILE, PeersDoc, build_peers, trace_figures
+    from mxdb.evidence.peers import PEERS_FILE, build_peers, to_json, trace_class, trace_figures
     from mxdb.evidence.summary import load_runs
     from mxdb.evidence.writer import BundleWriter, write_manifest
     from mxdb.models import Fingerprint
@@ -360,49 +429,89 @@ def publish(raw_path: Path, bundle: Path) -> None:
     points: list[dict[str, Any]] = []
     active: dict[str, int] = {}
     hot: dict[str, float] = {}
-    for p in raw["points"]:
+    classes: dict[str, str] = {}
+    errors = list(raw.get("errors", []))
+    copy = "a" if raw.get("rule") == "verdict" else "c"
+
+    def record(p: dict[str, Any], inst: dict[str, Any], base: str, group: str) -> str:
+        """Write one comparison's trace and runs (``inst``: a single-instance point or one
+        instance of a point); returns the trace hash."""
         shape = preset_shape(p["family"], p["tokens"], "bf16")
         th = w.add_trace(
-            p["ids"],
+            inst["ids"],
             experts=shape.experts,
             generator={
                 "kind": p.get("generator", p["routing"]),
-                "seed": p["seed"],
+                "seed": inst["seed"],
                 "params": p["routing_params"],
             },
         )
-        active[th], hot[th] = trace_figures(p["ids"])
-        base = f"{SHORT[p['family']]}-m{p['tokens']}-{p['routing']}"
-        copy = "a" if raw.get("rule") == "verdict" else "c"
-        for n, samples in p["graph_us"].items():
+        active[th], hot[th] = trace_figures(inst["ids"])
+        for n, samples in inst["graph_us"].items():
             key = copy if n.startswith("ctl") else n
-            err, rel, ok = p["correctness"][n]
+            err, rel, ok = inst["correctness"][n]
             role = "control" if n.startswith("ctl") else ROLE[n]
             w.record(
                 run_id=f"{base}-{n}",
                 shape=shape,
-                routing_class=p["routing"],
-                config=p["configs"][key],
+                routing_class=group,
+                config=inst["configs"][key],
                 role=role,
                 status="ok" if ok or role == "baseline" else "wrong",
                 trace_hash=th,
-                seed=p["seed"],
+                seed=inst["seed"],
                 samples_us=samples,
-                eager_samples_us=p["eager_us"].get(n),
+                eager_samples_us=inst["eager_us"].get(n),
                 max_abs_err=err,
                 rel_err=rel,
                 pair_id=f"{base}-ctl" if role == "control" else None,
+            )
+        return th
+
+    for p in raw["points"]:
+        base = f"{SHORT[p['family']]}-m{p['tokens']}-{p['routing']}"
+        if "instances" not in p:  # one routing instance per point (schema 1.0 / 1.1)
+            th = record(p, p, base, p["routing"])
+            points.append(
+                {
+                    "family": p["family"],
+                    "tokens": p["tokens"],
+                    "routing": p["routing"],
+                    "routing_class": p["routing_class"],
+                    "trace_hash": th,
+                    "runs": {n: f"{base}-{n}" for n in p["graph_us"]},
+                    "dispatch_reason_c": (p.get("reasons") or {}).get("c"),
+                    "dispatch_reason_d": (p.get("reasons") or {}).get("d"),
+                }
+            )
+            continue
+        # schema 1.2: each instance its own trace and runs (summary group: the instance)
+        insts = []
+        for inst in p["instances"]:
+            i = inst["instance"]
+            th = record(p, inst, f"{base}-i{i}", f"{p['routing']}-instance{i}")
+            shape = preset_shape(p["family"], p["tokens"], "bf16")
+            classes[th] = trace_class(inst["ids"], shape.experts)
+            if classes[th] != inst["routing_class"]:
+                errors.append(
+                    f"{base} instance {i}: the run recorded class {inst['routing_class']}, "
+                    f"its trace classifies as {classes[th]} (peers.json gives the trace's)"
+                )
+            insts.append(
+                {
+                    "instance": i,
+                    "trace_hash": th,
+                    "runs": {n: f"{base}-i{i}-{n}" for n in inst["graph_us"]},
+                    "dispatch_reason_c": (inst.get("reasons") or {}).get("c"),
+                    "dispatch_reason_d": (inst.get("reasons") or {}).get("d"),
+                }
             )
         points.append(
             {
                 "family": p["family"],
                 "tokens": p["tokens"],
                 "routing": p["routing"],
-                "routing_class": p["routing_class"],
-                "trace_hash": th,
-                "runs": {n: f"{base}-{n}" for n in p["graph_us"]},
-                "dispatch_reason_c": (p.get("reasons") or {}).get("c"),
-                "dispatch_reason_d": (p.get("reasons") or {}).get("d"),
+                "instances": insts,
             }
         )
     w.finish(bandwidth_bytes_per_s=raw["bandwidth_bytes_per_s"])
@@ -415,15 +524,13 @@ def publish(raw_path: Path, bundle: Path) -> None:
         fingerprint_hash=fp.hash,
         bandwidth_bytes_per_s=raw["bandwidth_bytes_per_s"],
         dispatch_cost=raw.get("dispatch_cost") or {},
-        errors=raw.get("errors", []),
+        errors=errors,
         hot_shares=hot,
         rule=raw.get("rule"),
         routing_source=raw.get("trace_source") if raw.get("rule") else None,
+        trace_classes=classes or None,
     )
-    doc = PeersDoc.model_validate(doc).to_json_dict()
-    for key in ("rule", "routing_source"):  # fields of the verdict layout only
-        if doc.get(key) is None:
-            doc.pop(key, None)
+    doc = to_json(doc)
     atomic_write(tmp / PEERS_FILE, dumps(doc))
     atomic_write_text(tmp / "report" / "peers.md", render(doc))
     plots(doc, tmp / "report")
@@ -471,6 +578,28 @@ def render(doc: dict[str, Any]) -> str:
             f"{x(r.get('eager_speedup_layer_over_fused_experts_impl'))} | "
             f"{x(r.get('eager_over_graph_layer'))} |"
         )
+    if f.get("n_instances") is not None:  # schema 1.2: the instances behind each point
+        lines[4:4] = [
+            f"- each point pools {f['n_instances']} held-out routing instances in all "
+            "(speedups: paired over the pooled rounds); instances where (c) is slower than "
+            f"(a) / (b) on their own rounds: {f['instances_c_slower_than_a']} / "
+            f"{f['instances_c_slower_than_b']} of {f['n_instances']}",
+        ]
+        lines += [
+            "",
+            "## Instances (each judged on its own rounds)",
+            "",
+            "| family | M | routing | instance | class | dispatch (c) | c/a | vs a | c/b | vs b |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for r in f["points"]:
+            for i in r.get("instances") or ():
+                lines.append(
+                    f"| {r['family']} | {r['tokens']} | {r['routing']} | {i['instance']} | "
+                    f"{i['routing_class']} | {i.get('dispatch_reason_c') or '-'} | "
+                    f"{x(i['speedup_c_over_a'])} | {i['outcome_c_vs_a']} | "
+                    f"{x(i['speedup_c_over_b'])} | {i['outcome_c_vs_b']} |"
+                )
     lines += ["", *targets_markdown(doc["targets"]), "", *explanations_markdown(doc)]
     return "\n".join(lines).rstrip("\n") + "\n"
 
@@ -518,13 +647,23 @@ def main() -> None:
     r.add_argument(
         "--heldout",
         action="store_true",
-        help="time each point on a held-out routing instance (generator kind logits) with "
+        help="time each point on held-out routing instances (generator kind logits) with "
         "copies of FlagGems' choice and a random order per round; judged by mxdb.verdict",
+    )
+    r.add_argument(
+        "--instances",
+        type=int,
+        default=3,
+        help="with --heldout: held-out instances per point (seeds heldout_seed(..., i), "
+        "i < K; instance 0 is the single-instance runs' one), each timed in its own rounds "
+        "(instance_reps); the point's verdict pools them (default 3)",
     )
     p = sub.add_parser("publish")
     p.add_argument("raw", type=Path)
     p.add_argument("bundle", type=Path)
     a = ap.parse_args()
+    if a.cmd == "run" and a.instances < 1:
+        ap.error("--instances must be at least 1")
     if a.cmd == "run":
         run(a)
     else:

@@ -25,7 +25,7 @@ DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
 #: name -> (model "module:Class", schema version, pydantic JSON-schema mode)
 REGISTRY: dict[str, tuple[str, str, str]] = {
-    "workload": ("mxdb.tune.workload:Workload", "1.2", "validation"),
+    "workload": ("mxdb.tune.workload:Workload", "1.3", "validation"),
     "trace": ("mxdb.evidence.models:TraceDoc", "1.0", "serialization"),
     "run": ("mxdb.evidence.models:RunRecord", "1.1", "serialization"),
     "manifest": ("mxdb.evidence.models:Manifest", "1.0", "serialization"),
@@ -36,7 +36,7 @@ REGISTRY: dict[str, tuple[str, str, str]] = {
     "store-export": ("mxdb.interop.export:StoreExport", "1.2", "serialization"),
     "compile-survey": ("mxdb.evidence.survey:CompileSurvey", "1.1", "serialization"),
     "decode": ("mxdb.evidence.decode:DecodeDoc", "1.0", "serialization"),
-    "peers": ("mxdb.evidence.peers:PeersDoc", "1.1", "serialization"),
+    "peers": ("mxdb.evidence.peers:PeersDoc", "1.2", "serialization"),
     "lean-layer": ("mxdb.evidence.lean_layer:LeanLayerDoc", "1.0", "serialization"),
     "self-healing": ("mxdb.evidence.healing:SelfHealingDoc", "1.0", "serialization"),
     "serving": ("mxdb.evidence.serving:ServingDoc", "1.1", "serialization"),

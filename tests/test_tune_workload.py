@@ -33,7 +33,7 @@ BASE = {"name": "w", "models": ["mixtral-8x7b"], "tokens": [4]}
     ("patch", "needle"),
     [
         ({"models": ["nope"]}, "accepted presets: deepseek-v2, deepseek-v2-lite"),
-        ({"routings": [{"kind": "gauss"}]}, "accepted kinds: uniform, zipf, hot, replay"),
+        ({"routings": [{"kind": "gauss"}]}, "accepted kinds: uniform, zipf, hot, sparse, replay"),
         (
             {"routings": [{"kind": "zipf", "s": 1}]},
             "field routings.0.zipf.s: unknown field; accepted fields here: kind, exponent",

@@ -9,8 +9,11 @@ mxdb's, its measured value the recomputed figure and its verdict that of the val
 the threshold (a "pass" for a missed target is a finding).  A document with ``explanations``
 has them and its points' extended figures recomputed the same way (hot shares from the
 bundle's traces), and a point whose recorded dispatch reason is a fallback must have run
-FlagGems' config as (c).  Also the shared helpers the
-lean-layer audit uses: :func:`compare_claims` and :func:`check_targets`.
+FlagGems' config as (c).  A document of schema 1.2 is checked per instance (each instance's
+runs against its own trace, the same run checks), each instance's ``routing_class`` is
+recomputed from its trace (``mxdb.routing.classify``), and the pooled figures, per-instance
+verdicts and instance counts are recomputed by the same ``build_peers``.  Also the shared
+helpers the lean-layer audit uses: :func:`compare_claims` and :func:`check_targets`.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from mxdb.evidence.peers import (
     TargetSpec,
     build_peers,
     judge,
+    trace_class,
     trace_figures,
 )
 from mxdb.shapes import preset_shape
@@ -189,10 +193,14 @@ _POINT_CODES: dict[str, str] = {
     "c_faster_than_a": "flag_mismatch",
     "c_faster_than_b": "flag_mismatch",
     "d_faster_than_c": "flag_mismatch",
+    "outcome_c_vs_a": "flag_mismatch",
+    "outcome_c_vs_b": "flag_mismatch",
 }
 
 
 def _peers_code(path: Path_) -> str:
+    if path[:1] == ("points",) and len(path) >= 5 and path[2] == "instances":
+        return "peers." + _POINT_CODES.get(str(path[4]), "field_mismatch")
     if path[:1] == ("points",) and len(path) >= 3:
         return "peers." + _POINT_CODES.get(str(path[2]), "field_mismatch")
     if path[:1] == ("figures",) and len(path) >= 2:
@@ -219,8 +227,75 @@ def _point_problems(
     *,
     copies_of: str = "c",
 ) -> bool:
-    """Report a point whose runs cannot support it; True when it has a problem."""
-    where = f"points[{i}]"
+    """Report a point whose runs cannot support it; True when it has a problem.
+
+    A point with ``instances`` (schema 1.2) is checked instance by instance: each instance's
+    runs against its own trace, its indices ``0..K-1`` in order, and the point itself names
+    no runs or trace.
+    """
+    instances = p.get("instances")
+    if instances is None:
+        if p.get("runs") is None or p.get("trace_hash") is None:
+            sink.add(
+                "peers.run_missing",
+                rel,
+                f"points[{i}].runs",
+                "run ids and a trace (or instances, schema 1.2)",
+                "null",
+                "a point names neither runs nor instances",
+            )
+            return True
+        return _runs_problems(sink, rel, f"points[{i}]", p, runs, traces, copies_of=copies_of)
+    bad = False
+    if not instances:
+        sink.add(
+            "peers.run_missing",
+            rel,
+            f"points[{i}].instances",
+            "at least one instance",
+            "none",
+            "a point of schema 1.2 without instances",
+        )
+        bad = True
+    for key in ("runs", "trace_hash"):
+        if p.get(key) is not None:
+            sink.add(
+                "peers.field_mismatch",
+                rel,
+                f"points[{i}].{key}",
+                None,
+                p.get(key),
+                "a point with instances names its runs and traces per instance only",
+            )
+            bad = True
+    for j, inst in enumerate(instances):
+        where = f"points[{i}].instances[{j}]"
+        if inst.get("instance") != j:
+            sink.add(
+                "peers.field_mismatch",
+                rel,
+                f"{where}.instance",
+                j,
+                inst.get("instance"),
+                "instances are listed by index, 0 to K-1",
+            )
+            bad = True
+        full = {**inst, "family": p["family"], "tokens": p["tokens"]}
+        bad |= _runs_problems(sink, rel, where, full, runs, traces, copies_of=copies_of)
+    return bad
+
+
+def _runs_problems(
+    sink: FindingSink,
+    rel: str,
+    where: str,
+    p: Mapping[str, Any],
+    runs: Mapping[str, Mapping[str, Any]],
+    traces: Mapping[str, Mapping[str, Any]],
+    *,
+    copies_of: str,
+) -> bool:
+    """The run checks of one interleaved comparison (a point, or an instance of one)."""
     ids = p["runs"]
     bad = False
     for lab in LABELS:
@@ -321,6 +396,13 @@ def check_peers(
     active = {h: f[0] for h, f in figs.items()}
     # the layout with explanations is recognised by that field; older documents lack it
     hot = {h: f[1] for h, f in figs.items()} if "explanations" in doc else None
+    classes = None
+    if any(p.get("instances") is not None for p in doc["points"]):
+        # schema 1.2: each instance's routing class, from the bundle's trace
+        used = {i["trace_hash"] for p in doc["points"] for i in p.get("instances") or ()}
+        classes = {h: trace_class(traces[h]["ids"], traces[h]["experts"]) for h in used}
+        if hot is None:
+            hot = {h: f[1] for h, f in figs.items()}
     recomputed = build_peers(
         doc["points"],
         runs,
@@ -334,6 +416,7 @@ def check_peers(
         hot_shares=hot,
         rule=doc.get("rule"),
         routing_source=doc.get("routing_source"),
+        trace_classes=classes,
     )
     if doc["decode_max_tokens"] != DECODE_MAX_TOKENS:
         sink.add(

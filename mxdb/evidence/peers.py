@@ -1,4 +1,4 @@
-"""The peers comparison (``peers.json``, ``mxdb.peers`` 1.0): its figures, from the runs' samples.
+"""The peers comparison (``peers.json``, ``mxdb.peers``): its figures, from the runs' samples.
 
 A peers bundle times, per point (model family, token count M, routing), in one interleaved
 process on one GPU:
@@ -34,6 +34,45 @@ run is round ``r``), and "slower" / "faster" are the one verdict rule's outcomes
 ``routing_source`` says where the points' routing came from (held-out instances of a
 generator the tuner never used).
 
+Documents of schema 1.2 (``rule: "verdict"``, points with ``instances``) judge each point, a
+routing *distribution* (family, M, routing kind), on several held-out instances of it (K
+traces drawn with different seeds), each timed in its own interleaved rounds of random order.
+A point then has no ``runs`` or ``trace_hash`` of its own (both ``null``); each entry of its
+``instances`` has ``instance`` (the index), ``trace_hash``, ``runs`` (label -> run id, as
+above), ``dispatch_reason_c`` / ``dispatch_reason_d`` (what the dispatcher answered for that
+instance), and figures recomputed from its trace and runs alone:
+
+- ``routing_class`` = ``mxdb.routing.classify`` of the instance's trace (instances of one
+  point may differ), ``active_experts``, ``hot_share``, ``floor_us`` of that trace;
+- ``median_us`` per label; ``noise_band``, ``speedup_c_over_a`` / ``outcome_c_vs_a`` and
+  ``speedup_c_over_b`` / ``outcome_c_vs_b``: :func:`mxdb.verdict.compare` on that instance's
+  rounds alone (as in schema 1.1); ``c_differs_from_d``: the instance has a run (d).
+
+The point's figures **pool** its instances: for each label, the samples of all instances
+concatenated in instance order (``d`` takes (c)'s samples in an instance without a (d) run,
+where they are one config), so that round ``r`` of the pooled arms is still one round of one
+instance and the paired statistic stays valid.  Then, with ``verdict.compare`` exactly as in
+schema 1.1 on the pooled rounds: ``noise_band`` is the band of (a)'s pooled copies;
+``c_slower_than_a`` / ``c_faster_than_a`` are (c) against (a)'s three pooled copies;
+``c_slower_than_b`` / ``c_faster_than_b`` are (c) against pooled (b) with that band;
+``d_faster_than_c`` is (d) against (c) with that band (only where some instance has (d)).
+``speedup_c_over_a`` / ``speedup_c_over_b`` are those comparisons' pooled paired speedups
+(the median over all pooled rounds of the per-round ratio, :func:`mxdb.verdict.paired`), and
+``speedup_c_over_d`` = ``verdict.paired(d, c)``'s speedup (1 where no instance has (d)); so the
+geometric means of the targets are geomeans of pooled paired speedups.  ``median_us`` and
+``eager_median_us`` are medians of the pooled samples, and every figure defined on medians
+above (``winner``, floor fractions, ``speedup_best_over_x``, ``floor_bound_over_a``) uses
+them.  ``active_experts``, ``hot_share`` and ``floor_us`` are the means over the instances
+(each instance weighs the same, as each has the same number of rounds); ``routing_class``,
+``dispatch_reason_c`` and ``dispatch_reason_d`` list the instances' distinct values in
+instance order joined by ``","`` (None where none was recorded); ``c_config_is_a`` /
+``c_config_is_b`` hold when every instance's (c) ran that config; ``c_differs_from_d`` when
+some instance has (d).  ``figures`` adds ``n_instances`` and ``instances_c_slower_than_a`` /
+``instances_c_slower_than_b`` (instances, over all points, whose own verdict is "slower"), and
+``explanations`` lists those instances (``instances_c_slower_than_a`` / ``_b``, with the
+instance's speedup and class and whether the pooled point is slower), so what pooling
+absorbs stays visible.  The targets are the same figures as before.
+
 Documents with ``explanations`` (written since the layout that explains missed targets; the
 auditor recognises the layout by that field) also carry, per point:
 
@@ -58,7 +97,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -69,7 +108,9 @@ from mxdb.shapes import memory_floor_bytes
 
 PEERS_FILE = "peers.json"
 SCHEMA = "mxdb.peers"
-SCHEMA_VERSION = "1.1"
+SCHEMA_VERSION = "1.2"
+#: The version of documents judged by the verdict rule on one routing instance per point.
+SINGLE_INSTANCE_VERSION = "1.1"
 DECODE_MAX_TOKENS = 16
 #: A skewed point is "far from the floor" when the fastest config's floor fraction under uniform
 #: routing (same family and M) is more than this many times its floor fraction there.
@@ -253,6 +294,36 @@ class PeerRuns(_Doc):
     ctl2: str
 
 
+class PeerInstance(_Doc):
+    """One held-out routing instance of a point (schema 1.2): its runs and its own verdicts."""
+
+    instance: int = Field(ge=0, description="the instance's index (its seed's index)")
+    trace_hash: str
+    routing_class: str = Field(description="mxdb.routing.classify of the instance's trace")
+    runs: PeerRuns
+    dispatch_reason_c: str | None = Field(description="the dispatcher's reason for (c)")
+    dispatch_reason_d: str | None = Field(description="the dispatcher's reason for (d)")
+    active_experts: int
+    hot_share: float
+    floor_us: float
+    median_us: dict[str, float]
+    noise_band: float = Field(description="the band of (a)'s copies in this instance's rounds")
+    speedup_c_over_a: float | None = Field(description="verdict.compare's paired speedup")
+    outcome_c_vs_a: verdict.Outcome
+    speedup_c_over_b: float | None = Field(description="verdict.compare's paired speedup")
+    outcome_c_vs_b: verdict.Outcome
+    c_differs_from_d: bool
+
+
+#: Aggregate figures of schema 1.2 (absent from older documents).
+INSTANCE_FIGURES: tuple[str, ...] = (
+    "n_instances",
+    "instances_c_slower_than_a",
+    "instances_c_slower_than_b",
+)
+#: Explanations of schema 1.2 (absent from older documents).
+INSTANCE_EXPLANATIONS: tuple[str, ...] = ("instances_c_slower_than_a", "instances_c_slower_than_b")
+
 #: Per-point fields of the layout with ``explanations`` (absent from older documents).
 EXTENDED_POINT_FIELDS: tuple[str, ...] = (
     "dispatch_reason_c",
@@ -275,15 +346,15 @@ EXTENDED_POINT_FIELDS: tuple[str, ...] = (
 class PeerPoint(_Doc):
     """One point: its runs and the figures derived from their samples."""
 
-    model_config = _optional(*EXTENDED_POINT_FIELDS)
+    model_config = _optional(*EXTENDED_POINT_FIELDS, "instances")
 
     family: str
     tokens: int = Field(ge=1)
     routing: str
     routing_class: str
-    trace_hash: str
-    runs: PeerRuns
-    active_experts: int
+    trace_hash: str | None = Field(description="null where the point has instances (1.2)")
+    runs: PeerRuns | None = Field(description="null where the point has instances (1.2)")
+    active_experts: int | float = Field(description="a mean over the instances in 1.2")
     median_us: dict[str, float]
     noise_band: float
     floor_us: float
@@ -331,6 +402,11 @@ class PeerPoint(_Doc):
         default=None,
         description="uniform_floor_fraction_best / floor_fraction_best (None for uniform routing)",
     )
+    instances: list[PeerInstance] | None = Field(
+        default=None,
+        description="the held-out instances whose pooled rounds the point's figures judge "
+        "(schema 1.2; absent before)",
+    )
 
 
 class PointRef(_Doc):
@@ -367,6 +443,8 @@ class GapExplanation(_Doc):
 class Explanations(_Doc):
     """Figures that explain each missed target, recomputed like every other figure."""
 
+    model_config = _optional(*INSTANCE_EXPLANATIONS)
+
     c_over_a: GapExplanation
     c_over_b: GapExplanation
     decode_geomean_floor_bound_over_a: float | None = Field(
@@ -386,10 +464,20 @@ class Explanations(_Doc):
         description="non-uniform points whose skew_cost exceeds skew_cost_threshold: the "
         "fastest config reaches that many times less of the floor than under uniform routing"
     )
+    instances_c_slower_than_a: list[PointRef] | None = Field(
+        default=None,
+        description="schema 1.2: each instance whose own verdict has (c) slower than (a), "
+        "with its index, class, speedup and whether its pooled point is slower",
+    )
+    instances_c_slower_than_b: list[PointRef] | None = Field(
+        default=None, description="schema 1.2: likewise against (b)"
+    )
 
 
 class PeerFigures(_Doc):
     """The comparison's aggregate figures."""
+
+    model_config = _optional(*INSTANCE_FIGURES)
 
     n_points: int
     geomean_speedup_c_over_a: float | None
@@ -403,6 +491,13 @@ class PeerFigures(_Doc):
     geomean_c_over_d_where_changed: float | None = Field(
         description="geomean of median(d) / median(c) over points where (d) differs"
     )
+    n_instances: int | None = Field(default=None, description="schema 1.2: instances timed")
+    instances_c_slower_than_a: int | None = Field(
+        default=None, description="schema 1.2: instances whose own verdict has (c) slower than (a)"
+    )
+    instances_c_slower_than_b: int | None = Field(
+        default=None, description="schema 1.2: instances whose own verdict has (c) slower than (b)"
+    )
 
 
 class PeersDoc(_Doc):
@@ -411,7 +506,7 @@ class PeersDoc(_Doc):
     model_config = _optional("explanations", "rule", "routing_source")
 
     schema_name: Literal["mxdb.peers"] = Field(default="mxdb.peers", alias="schema")
-    schema_version: Literal["1.0", "1.1"] = "1.1"
+    schema_version: Literal["1.0", "1.1", "1.2"] = "1.2"
     milestone: str
     fingerprint_hash: str
     bandwidth_bytes_per_s: float = Field(
@@ -432,7 +527,8 @@ class PeersDoc(_Doc):
     rule: Literal["verdict"] | None = Field(
         default=None,
         description="verdict: slower/faster by mxdb.verdict on paired rounds, ctl1/ctl2 copies "
-        "of (a) (schema 1.1); absent: the control pair's median band",
+        "of (a) (schema 1.1; pooled over a point's instances in 1.2); absent: the control "
+        "pair's median band",
     )
     routing_source: str | None = Field(
         default=None, description="where the points' routing instances came from"
@@ -559,6 +655,156 @@ def point_figures(
     return out
 
 
+def trace_class(ids: Iterable[Iterable[int]], experts: int) -> str:
+    """The routing class of a trace: ``mxdb.routing.classify`` of its features."""
+    import numpy as np
+
+    from mxdb.routing import classify, features
+
+    arr = np.asarray([list(r) for r in ids], dtype=np.int64)
+    return str(classify(features(arr, experts)))
+
+
+def _joined(values: Iterable[str | None]) -> str | None:
+    """The distinct recorded values in order of first appearance, joined by ``","``."""
+    seen: list[str] = []
+    for v in values:
+        if v is not None and v not in seen:
+            seen.append(v)
+    return ",".join(seen) if seen else None
+
+
+def _paired_speedup(v: verdict.Verdict, baseline: float, candidate: float) -> float:
+    """A verdict's paired speedup, or the medians' ratio where it has none (unpaired arms)."""
+    return v.speedup if v.speedup is not None else stats.speedup(baseline, candidate)
+
+
+def pooled_point_figures(
+    instances: Sequence[Mapping[str, Any]],
+    runs: Mapping[str, Mapping[str, Any]],
+    *,
+    active_experts: Mapping[str, int],
+    hot_shares: Mapping[str, float],
+    trace_classes: Mapping[str, str],
+    bandwidth_bytes_per_s: float,
+) -> dict[str, Any]:
+    """The figures of a point of schema 1.2 from its instances' runs (see the module doc).
+
+    ``KeyError`` on a missing run or trace.
+    """
+    pooled: dict[str, list[float]] = {lab: [] for lab in LABELS}
+    eager: dict[str, list[float]] = {"a": [], "c": []}
+    rows: list[dict[str, Any]] = []
+    has_d, c_is_a, c_is_b = False, True, True
+    for inst in instances:
+        labels = {lab: inst["runs"].get(lab) for lab in LABELS}
+        raw: dict[str, list[float]] = {}
+        for lab, rid in labels.items():
+            if rid is None:
+                continue
+            s = _samples(runs[rid])
+            if s is None:
+                raise KeyError(rid)
+            raw[lab] = s
+        for lab in ("a", "b", "c", "ctl1", "ctl2"):
+            pooled[lab] += raw[lab]
+        pooled["d"] += raw.get("d", raw["c"])
+        has_d |= "d" in raw
+        for lab in ("a", "c"):
+            eager[lab] += _samples(runs[str(labels[lab])], "eager_timing") or []
+
+        def config_hash(lab: str, labels: Mapping[str, str | None] = labels) -> Any:
+            return runs[str(labels[lab])].get("config_hash")
+
+        c_is_a &= config_hash("c") == config_hash("a")
+        c_is_b &= config_hash("c") == config_hash("b")
+        th = inst["trace_hash"]
+        shape = runs[str(labels["c"])]["shape"]
+        floor_bytes = memory_floor_bytes(
+            active_experts[th], shape["hidden"], shape["intermediate"], shape["dtype"]
+        )
+        copies = [raw["a"], raw["ctl1"], raw["ctl2"]]
+        band = verdict.noise_band(copies)
+        noise = band if band is not None else math.inf
+        over_a = verdict.compare(copies, raw["c"])
+        over_b = verdict.compare([raw["b"]], raw["c"], band=noise)
+        rows.append(
+            {
+                "instance": inst["instance"],
+                "trace_hash": th,
+                "routing_class": trace_classes[th],
+                "runs": labels,
+                "dispatch_reason_c": inst.get("dispatch_reason_c"),
+                "dispatch_reason_d": inst.get("dispatch_reason_d"),
+                "active_experts": active_experts[th],
+                "hot_share": hot_shares[th],
+                "floor_us": floor_bytes / bandwidth_bytes_per_s * 1e6,
+                "median_us": {lab: stats.median(x) for lab, x in raw.items()},
+                "noise_band": noise,
+                "speedup_c_over_a": over_a.speedup,
+                "outcome_c_vs_a": over_a.outcome,
+                "speedup_c_over_b": over_b.speedup,
+                "outcome_c_vs_b": over_b.outcome,
+                "c_differs_from_d": "d" in raw,
+            }
+        )
+    n = len(rows)
+    if n == 0:
+        raise KeyError("a point of schema 1.2 without instances")
+    med = {lab: stats.median(x) for lab, x in pooled.items() if lab != "d" or has_d}
+    emed = {lab: stats.median(x) for lab, x in eager.items() if x}
+    copies = [pooled["a"], pooled["ctl1"], pooled["ctl2"]]
+    band = verdict.noise_band(copies)
+    noise = band if band is not None else math.inf
+    over_a = verdict.compare(copies, pooled["c"])
+    over_b = verdict.compare([pooled["b"]], pooled["c"], band=noise)
+    d_over_c = verdict.compare([pooled["c"]], pooled["d"], band=noise)
+    c_over_d = verdict.paired(pooled["d"], pooled["c"])
+    a, b, c = med["a"], med["b"], med["c"]
+    d = med.get("d", c)
+    floor = math.fsum(r["floor_us"] for r in rows) / n
+    best = min(a, b, c, d)
+    return {
+        "routing_class": _joined(r["routing_class"] for r in rows),
+        "trace_hash": None,
+        "runs": None,
+        "active_experts": math.fsum(r["active_experts"] for r in rows) / n,
+        "median_us": med,
+        "noise_band": noise,
+        "floor_us": floor,
+        "winner": min((m, lab) for lab, m in med.items() if lab in ("a", "b", "c", "d"))[1],
+        "speedup_c_over_a": _paired_speedup(over_a, a, c),
+        "speedup_c_over_b": _paired_speedup(over_b, b, c),
+        "speedup_c_over_d": c_over_d.speedup if c_over_d is not None else stats.speedup(d, c),
+        "c_differs_from_d": has_d,
+        "floor_fraction_a": floor / a,
+        "floor_fraction_b": floor / b,
+        "floor_fraction_c": floor / c,
+        "c_slower_than_a": over_a.slower,
+        "c_slower_than_b": over_b.slower,
+        "eager_median_us": emed,
+        "eager_speedup_layer_over_fused_experts_impl": emed["a"] / emed["c"]
+        if len(emed) == 2
+        else None,
+        "eager_over_graph_layer": emed["c"] / c if "c" in emed else None,
+        "dispatch_reason_c": _joined(r["dispatch_reason_c"] for r in rows),
+        "dispatch_reason_d": _joined(r["dispatch_reason_d"] for r in rows),
+        "hot_share": math.fsum(r["hot_share"] for r in rows) / n,
+        "floor_fraction_best": floor / best,
+        "speedup_best_over_a": stats.speedup(a, best),
+        "speedup_best_over_b": stats.speedup(b, best),
+        "floor_bound_over_a": a / floor,
+        "c_config_is_a": c_is_a,
+        "c_config_is_b": c_is_b,
+        "c_faster_than_a": over_a.faster,
+        "c_faster_than_b": over_b.faster,
+        "d_faster_than_c": has_d and d_over_c.faster,
+        "uniform_floor_fraction_best": None,
+        "skew_cost": None,
+        "instances": rows,
+    }
+
+
 def skew_costs(rows: Sequence[dict[str, Any]]) -> None:
     """Set ``uniform_floor_fraction_best`` and ``skew_cost`` on non-uniform rows with a twin."""
     uniform = {(r["family"], r["tokens"]): r for r in rows if r["routing"] == "uniform"}
@@ -578,7 +824,7 @@ def aggregate(points: Sequence[Mapping[str, Any]], decode_max_tokens: int) -> di
     def decode(r: Mapping[str, Any]) -> bool:
         return int(r["tokens"]) <= decode_max_tokens
 
-    return {
+    out: dict[str, Any] = {
         "n_points": len(points),
         "geomean_speedup_c_over_a": gm("speedup_c_over_a"),
         "geomean_speedup_c_over_b": gm("speedup_c_over_b"),
@@ -590,6 +836,14 @@ def aggregate(points: Sequence[Mapping[str, Any]], decode_max_tokens: int) -> di
         "points_routing_changes_dispatch": sum(1 for r in points if r["c_differs_from_d"]),
         "geomean_c_over_d_where_changed": gm("speedup_c_over_d", lambda r: r["c_differs_from_d"]),
     }
+    if any(r.get("instances") for r in points):
+        inst = [i for r in points for i in r.get("instances") or ()]
+        out["n_instances"] = len(inst)
+        for x in ("a", "b"):
+            out[f"instances_c_slower_than_{x}"] = sum(
+                1 for i in inst if i[f"outcome_c_vs_{x}"] == "slower"
+            )
+    return out
 
 
 def _ref(r: Mapping[str, Any], keys: Sequence[str]) -> dict[str, Any]:
@@ -635,7 +889,7 @@ def explain(points: Sequence[Mapping[str, Any]], decode_max_tokens: int) -> dict
 
     slower_keys = ("speedup_c_over_a", "speedup_c_over_b", "noise_band", "dispatch_reason_c")
     skew_keys = ("hot_share", "floor_fraction_best", "uniform_floor_fraction_best", "skew_cost")
-    return {
+    out: dict[str, Any] = {
         "c_over_a": gap("a"),
         "c_over_b": gap("b"),
         "decode_geomean_floor_bound_over_a": gm(decode, "floor_bound_over_a"),
@@ -656,6 +910,27 @@ def explain(points: Sequence[Mapping[str, Any]], decode_max_tokens: int) -> dict
             if r["skew_cost"] is not None and r["skew_cost"] > SKEW_COST
         ],
     }
+    if any(r.get("instances") for r in points):
+        for x in ("a", "b"):
+            out[f"instances_c_slower_than_{x}"] = [
+                {
+                    "family": r["family"],
+                    "tokens": r["tokens"],
+                    "routing": r["routing"],
+                    "figures": {
+                        "instance": i["instance"],
+                        "routing_class": i["routing_class"],
+                        f"speedup_c_over_{x}": i[f"speedup_c_over_{x}"],
+                        "noise_band": i["noise_band"],
+                        "dispatch_reason_c": i["dispatch_reason_c"],
+                        f"pooled_c_slower_than_{x}": r[f"c_slower_than_{x}"],
+                    },
+                }
+                for r in points
+                for i in r.get("instances") or ()
+                if i[f"outcome_c_vs_{x}"] == "slower"
+            ]
+    return out
 
 
 def build_peers(
@@ -673,6 +948,7 @@ def build_peers(
     hot_shares: Mapping[str, float] | None = None,
     rule: str | None = None,
     routing_source: str | None = None,
+    trace_classes: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """The ``peers.json`` document: ``points`` give identity and run ids, the rest is computed.
 
@@ -681,9 +957,29 @@ def build_peers(
     With ``hot_shares`` (trace hash -> hot share, :func:`trace_figures`) the document has the
     layout with ``explanations``; each point then may carry ``dispatch_reason_c`` and
     ``dispatch_reason_d`` (the dispatcher's recorded answers).
+
+    A point of schema 1.2 instead has ``instances``: each with ``instance``, ``trace_hash``,
+    ``runs`` and optionally ``dispatch_reason_c`` / ``dispatch_reason_d``; it needs
+    ``rule="verdict"``, ``hot_shares`` and ``trace_classes`` (trace hash -> :func:`trace_class`),
+    and its figures pool the instances (:func:`pooled_point_figures`).  Any such point makes the
+    document schema 1.2.
     """
+    pooled = any(p.get("instances") for p in points)
+    if pooled and (rule != "verdict" or hot_shares is None or trace_classes is None):
+        raise ValueError("points with instances need rule 'verdict', hot shares and trace classes")
     rows = []
     for p in points:
+        if p.get("instances"):
+            fig = pooled_point_figures(
+                p["instances"],
+                runs,
+                active_experts=active_experts,
+                hot_shares=cast(Mapping[str, float], hot_shares),
+                trace_classes=cast(Mapping[str, str], trace_classes),
+                bandwidth_bytes_per_s=bandwidth_bytes_per_s,
+            )
+            rows.append({k: p[k] for k in ("family", "tokens", "routing")} | fig)
+            continue
         labels = {lab: p["runs"].get(lab) for lab in LABELS}
         fig = point_figures(
             labels,
@@ -701,7 +997,9 @@ def build_peers(
     figures = aggregate(rows, decode_max_tokens)
     doc: dict[str, Any] = {
         "schema": SCHEMA,
-        "schema_version": SCHEMA_VERSION if rule else "1.0",
+        "schema_version": SCHEMA_VERSION
+        if pooled
+        else (SINGLE_INSTANCE_VERSION if rule else "1.0"),
         "milestone": milestone,
         "fingerprint_hash": fingerprint_hash,
         "bandwidth_bytes_per_s": bandwidth_bytes_per_s,
@@ -718,6 +1016,28 @@ def build_peers(
         doc["rule"] = rule
         doc["routing_source"] = routing_source
     return doc
+
+
+def to_json(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """``doc`` validated as :class:`PeersDoc`, as written: the optional fields of a later
+    layout (``rule``, ``routing_source``, ``instances``, the 1.2 figures and explanations) are
+    left out where they are null, so a document of an earlier layout keeps its fields."""
+    out = PeersDoc.model_validate(doc).to_json_dict()
+    for key in ("rule", "routing_source"):  # fields of the verdict layout only
+        if out.get(key) is None:
+            out.pop(key, None)
+    for p in out["points"]:
+        if p.get("instances") is None:
+            p.pop("instances", None)
+    for key in INSTANCE_FIGURES:
+        if out["figures"].get(key) is None:
+            out["figures"].pop(key, None)
+    ex = out.get("explanations")
+    if ex is not None:
+        for key in INSTANCE_EXPLANATIONS:
+            if ex.get(key) is None:
+                ex.pop(key, None)
+    return out
 
 
 def _pct(x: float | None) -> str:
@@ -824,6 +1144,22 @@ def explanations_markdown(doc: Mapping[str, Any]) -> list[str]:
                 "config: identical configs timed apart by more than the control pair's noise "
                 "band, which understates the noise there. Points: " + _listing(refs, slower) + "."
             )
+            inst = ex.get(f"instances_c_slower_than_{x}")
+            if inst is not None:
+
+                def instance(f: Mapping[str, Any], x: str = x) -> str:
+                    return (
+                        f"instance {f['instance']}, class {f['routing_class']}, (c)/({x}) "
+                        f"{_num(f[f'speedup_c_over_{x}'])}, pooled point slower: "
+                        f"{f[f'pooled_c_slower_than_{x}']}"
+                    )
+
+                lines.append(
+                    f"  Instances where (c) is slower than ({x}) on their own rounds (the point "
+                    f"pools its instances): {len(inst)}"
+                    + (": " if inst else ".")
+                    + _listing(inst, instance)
+                )
         elif name == "decode_floor_fraction":
             best = ex["decode_geomean_floor_fraction_best"]
             lines.append(

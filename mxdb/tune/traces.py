@@ -19,7 +19,14 @@ from mxdb import routing, routing_gen
 from mxdb.errors import TraceError, WorkloadError
 from mxdb.evidence.files import trace_hash
 from mxdb.shapes import MoEShape
-from mxdb.tune.workload import HotRouting, ReplayRouting, RoutingSource, Workload, ZipfRouting
+from mxdb.tune.workload import (
+    HotRouting,
+    ReplayRouting,
+    RoutingSource,
+    SparseRouting,
+    Workload,
+    ZipfRouting,
+)
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,8 @@ def _params(src: RoutingSource) -> dict[str, Any]:
         return {"exponent": src.exponent}
     if isinstance(src, HotRouting):
         return {"fraction": src.fraction, "expert": src.expert}
+    if isinstance(src, SparseRouting):
+        return {"active": src.active}
     return {}
 
 

@@ -10,6 +10,7 @@ A workload is a YAML or JSON file::
       - {kind: uniform}
       - {kind: zipf, exponent: 1.2}
       - {kind: hot, fraction: 0.5, expert: 0}
+      - {kind: sparse, active: 0.25}             # a quarter of the experts receive tokens
       - {kind: replay, path: traces/prod.json}   # relative to the workload file
     seed: 0
     search: {replicates: 5, halving_rounds: 3, max_candidates: null}
@@ -101,6 +102,18 @@ class HotRouting(BaseModel):
         return f"hot{self.fraction:g}e{self.expert}"
 
 
+class SparseRouting(BaseModel):
+    """Only ``max(topk, round(active x experts))`` experts, chosen at random, receive tokens,
+    uniformly (``mxdb.routing_gen`` kind ``sparse``)."""
+
+    model_config = _STRICT
+    kind: Literal["sparse"] = "sparse"
+    active: float = Field(default=0.25, gt=0, le=1)
+
+    def label(self) -> str:
+        return f"sparse{self.active:g}"
+
+
 class ReplayRouting(BaseModel):
     """A stored top-k trace file (``mxdb trace`` output or an evidence ``traces/`` file)."""
 
@@ -123,9 +136,10 @@ class ReplayRouting(BaseModel):
 _LATER_SEARCH_FIELDS = ("gemm2_pool", "align_moves")
 
 RoutingSource = Annotated[
-    UniformRouting | ZipfRouting | HotRouting | ReplayRouting, Field(discriminator="kind")
+    UniformRouting | ZipfRouting | HotRouting | SparseRouting | ReplayRouting,
+    Field(discriminator="kind"),
 ]
-ROUTING_KINDS = ("uniform", "zipf", "hot", "replay")
+ROUTING_KINDS = ("uniform", "zipf", "hot", "sparse", "replay")
 
 
 class SearchOptions(BaseModel):
