@@ -512,6 +512,9 @@ class StackDecoder:
         x0 = x0.to(self.torch.bfloat16)
         return x0, self.route(x0, self.layers[0][2])[1]
 
+    def restart(self, x: Any) -> Any:
+        return x
+
     def step(self, x: Any) -> Any:
         torch = self.torch
         for w1, w2, gate in self.layers:
@@ -596,6 +599,10 @@ class ModelDecoder:
             _, _, ids = self.blocks[0].gate(x)
         return (tok, self._cache(), 0), ids.to(torch.int32)
 
+    def restart(self, state: Any) -> Any:
+        """The state at the start of a new sequence (the first token, an empty cache)."""
+        return self.first, self._cache(), 0
+
     def step(self, state: Any) -> Any:
         tok, cache, pos = state
         if pos >= self.context:
@@ -667,7 +674,7 @@ def run_healing(a: argparse.Namespace) -> None:
     from mxdb.fingerprint import collect
     from mxdb.routing import classify, features
     from mxdb.runtime.healing import HealingOptions
-    from mxdb.runtime.hook import _flaggems_choice, _kernels_pipeline
+    from mxdb.runtime.hook import Hook, _flaggems_choice, _kernels_pipeline, install_hook
 
     t_start = time.monotonic()
     out_dir = Path(a.out)
@@ -715,11 +722,8 @@ def run_healing(a: argparse.Namespace) -> None:
     slow = sorted(range(min(a.slow_layers, a.layers)))
     slow_ptrs = {dec.w1[i].data_ptr() for i in slow}
     inj = Injector(_kernels_pipeline, a.factor, target.hash, slow_ptrs)
-    per_step = a.layers  # hooked calls of the key per decode step
-    # a window that reaches the key's call 4096 after the warm-up steps (one sample at the
-    # sparsest rung), unless the run names its own
-    ladder_steps = a.ladder_steps or -(-(4096 + 1) // per_step) - a.warm_steps + 1
-    ladder_steps = -(-ladder_steps // a.chunk) * a.chunk
+    # a ladder window is one sequence of the model (the stack: as many steps)
+    ladder_steps = a.ladder_steps or a.context
     doc.update(
         tokens=m,
         routing_class=rc,
@@ -779,12 +783,15 @@ def run_healing(a: argparse.Namespace) -> None:
         torch.cuda.synchronize()
         doc["warm_stats"] = {k2: v for k2, v in hook.stats().items() if isinstance(v, int)}
         ch, n = a.chunk, a.steps
+        # every phase starts a new sequence, so chunks sit at the same positions in each
+        x = dec.restart(x)
         # clean
         x, rates = timed(x, n, ch)
         doc["clean"] = {"tokens_per_s": rates}
         atomic_json(out, doc)
         # static: clean phase, then the injection, healing off
         hook = install()
+        x = dec.restart(x)
         x, before = timed(x, n // 2, ch)
         inj.on = True
         c0 = inj.count
@@ -799,6 +806,7 @@ def run_healing(a: argparse.Namespace) -> None:
         # healing: the same with healing on
         opts = HealingOptions(sample_every=a.sample_every, baseline="calibrate")
         hook = install(healing=opts)
+        x = dec.restart(x)
         x, before = timed(x, n // 2, ch)
         inj.on = True
         c0 = inj.count
@@ -815,28 +823,35 @@ def run_healing(a: argparse.Namespace) -> None:
             "stats": {k2: v for k2, v in stats.items() if isinstance(v, int)},
         }
         atomic_json(out, doc)
-        # the overhead ladder: monitor and healing samples every N calls, no injection; each
-        # window long enough for a sample at the sparsest rung, the rungs in a random order
-        # per repetition (repetition 0 warms up and is not kept)
+        # the overhead ladder: monitor and healing samples every N calls, no injection.  One
+        # hook per rung for the whole ladder (its own dispatcher, so that its healing moves
+        # stay its own), installed again for each of its windows with its counts going on, as
+        # one serving process would count; each window one fresh sequence; the rungs in a
+        # random order per repetition (repetition 0 warms up and is not kept).
         rungs = ["off", "4096", "64", "4"]
+        hooks: dict[str, Any] = {}
+        for name in rungs:
+            every = 0 if name == "off" else int(name)
+            own = Dispatcher(store, fp, DispatchOptions(policy="strict", default_routing_class=rc))
+            hooks[name] = Hook(
+                own,
+                monitor_every=every,
+                healing=HealingOptions(sample_every=every, baseline="calibrate") if every else None,
+                pipeline_factory=inj,
+            )
         orders = ladder_order(a.ladder_seed, a.ladder_reps, rungs)
         ladder: dict[str, list[float]] = {k: [] for k in rungs}
         counts: dict[str, list[dict[str, int]]] = {k: [] for k in rungs}
         for rep, order in enumerate(orders):
             for name in order:
-                every = 0 if name == "off" else int(name)
-                hook = install(
-                    monitor_every=every,
-                    healing=HealingOptions(sample_every=every, baseline="calibrate")
-                    if every
-                    else None,
-                )
+                install_hook(hooks[name])
+                x = dec.restart(x)
                 for _ in range(a.warm_steps):
                     x = dec.step(x)
                 x, rates = timed(x, ladder_steps, ladder_steps)
                 if rep:
                     ladder[name].extend(rates)
-                    st = hook.stats()
+                    st = hooks[name].stats()
                     counts[name].append(
                         {k2: int(st.get(k2, 0)) for k2 in ("monitor_copies", "healing_samples")}
                     )
@@ -845,6 +860,7 @@ def run_healing(a: argparse.Namespace) -> None:
             "steps": ladder_steps,
             "orders": orders[1:],
             "seed": a.ladder_seed,
+            "persistent": True,
             "counters": counts,
         }
     except Exception as exc:
@@ -901,6 +917,7 @@ def publish(
     chunk: int = 25,
     tail_chunks: int = 4,
     ladder_reps: int = 3,
+    warm_steps: int = 5,
 ) -> Path:
     """Write the serving evidence bundle from the two raw files (figures computed by mxdb)."""
     import shutil
@@ -927,6 +944,7 @@ def publish(
         chunk=chunk,
         tail_chunks=tail_chunks,
         ladder_reps=ladder_reps,
+        warm_steps=warm_steps,
     )
     tmp = bundle.with_name(bundle.name + ".new")
     if tmp.exists():
@@ -962,22 +980,22 @@ def main() -> None:
     g.add_argument("--layers", type=int, default=8)
     g.add_argument("--slow-layers", type=int, default=6)
     g.add_argument("--factor", type=int, default=10)
-    g.add_argument("--steps", type=int, default=400, help="decode steps of a phase")
-    g.add_argument("--chunk", type=int, default=25, help="steps between two events")
+    g.add_argument("--steps", type=int, default=512, help="decode steps of a phase")
+    g.add_argument("--chunk", type=int, default=32, help="steps between two events")
     g.add_argument("--sample-every", type=int, default=61)
-    g.add_argument("--ladder-reps", type=int, default=6)
+    g.add_argument("--ladder-reps", type=int, default=24)
     g.add_argument(
         "--ladder-steps", type=int, default=0,
-        help="decode steps of a ladder window (0: up to the key's call 4096 and a bit)",
+        help="decode steps of a ladder window (0: --context)",
     )  # fmt: skip
     g.add_argument("--ladder-seed", type=int, default=0, help="seed of the rungs' order")
-    g.add_argument("--warm-steps", type=int, default=5, help="untimed steps per ladder install")
+    g.add_argument("--warm-steps", type=int, default=0, help="untimed steps per ladder window")
     g.add_argument("--tail-chunks", type=int, default=4)
     g.add_argument(
         "--decoder", choices=("stack", "qwen3-moe"), default="qwen3-moe",
         help="stack: MoE layers only; qwen3-moe: a transformers Qwen3-MoE model, patched",
     )  # fmt: skip
-    g.add_argument("--context", type=int, default=256, help="qwen3-moe: steps per sequence")
+    g.add_argument("--context", type=int, default=128, help="qwen3-moe: steps per sequence")
     s = sub.add_parser("summary", help="the issue's figures from hooked.json or healing.json")
     s.add_argument("raw")
     p = sub.add_parser("publish", help="the evidence bundle from hooked.json and healing.json")
@@ -985,10 +1003,11 @@ def main() -> None:
     p.add_argument("healing", type=Path, help="the raw output of the healing run")
     p.add_argument("bundle", type=Path, help="the bundle to write (replaced if present)")
     p.add_argument("--notes", type=Path, default=None, help="analysis paragraphs for report.md")
-    p.add_argument("--steps", type=int, default=400, help="the healing run's --steps")
-    p.add_argument("--chunk", type=int, default=25, help="the healing run's --chunk")
+    p.add_argument("--steps", type=int, default=512, help="the healing run's --steps")
+    p.add_argument("--chunk", type=int, default=32, help="the healing run's --chunk")
     p.add_argument("--tail-chunks", type=int, default=4, help="the healing run's --tail-chunks")
-    p.add_argument("--ladder-reps", type=int, default=3, help="the healing run's --ladder-reps")
+    p.add_argument("--ladder-reps", type=int, default=24, help="the healing run's --ladder-reps")
+    p.add_argument("--warm-steps", type=int, default=0, help="the healing run's --warm-steps")
     a = ap.parse_args()
     if a.cmd == "hooked":
         run_hooked(a)
@@ -1004,6 +1023,7 @@ def main() -> None:
             chunk=a.chunk,
             tail_chunks=a.tail_chunks,
             ladder_reps=a.ladder_reps,
+            warm_steps=a.warm_steps,
         )
         print(f"wrote {out}", flush=True)
     else:

@@ -322,3 +322,26 @@ def test_healing_adds_no_safe_candidate_already_offered(fm: Any, store: Store) -
     assert hook.healer is not None
     key = next(iter(hook.healer._keys))
     assert [c.config for c in hook.healer._keys[key].candidates] == [CFG_A, CFG_B]
+
+
+def test_install_hook_alternates_hooks_and_keeps_their_counts(fm: Any, store: Store) -> None:
+    from mxdb.runtime.hook import Hook, install_hook, installed
+
+    store.add_entries([_entry(CFG_A)])
+    d = Dispatcher(store, H200)
+    every4 = Hook(d, monitor_every=0, healing=HealingOptions(sample_every=4),
+                  clock=VirtualClock(fm))  # fmt: skip
+    plain = Hook(d, monitor_every=0, clock=VirtualClock(fm))
+    for _ in range(3):  # three rounds of 3 calls each through each hook
+        assert install_hook(every4) is every4 and installed() is every4
+        for _ in range(3):
+            fm.fused_experts_impl(*_args())
+        install_hook(plain)
+        for _ in range(3):
+            fm.fused_experts_impl(*_args())
+    assert every4.stats()["calls"] == plain.stats()["calls"] == 9
+    assert every4.stats()["healing_samples"] == 2  # calls 4 and 8 of its own count
+    assert plain.stats()["healing_samples"] == 0
+    assert mxdb.uninstall() and installed() is None
+    # FlagGems' own function is back, not a wrapper of one of the hooks
+    assert not hasattr(fm.fused_experts_impl, "__wrapped__")

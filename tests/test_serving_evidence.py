@@ -489,3 +489,28 @@ def test_model_decoder_run_publishes_its_setup_and_ladder_windows(tmp_path: Path
     _edit(bundle, shorter_window)
     found = _checks(bundle)
     assert found == {"serving.overhead_mismatch"}  # the window figures no longer fit
+
+
+def test_persistent_ladder_counts_samples_over_all_kept_windows(tmp_path: Path) -> None:
+    hooked, healing = raw_pair()
+    healing["ladder"].update(steps=128, persistent=True, orders=[LADDER_ORDER] * 3)
+    (tmp_path / "hooked.json").write_text(json.dumps(hooked))
+    (tmp_path / "healing.json").write_text(json.dumps(healing))
+    bundle = tmp_path / "h200-serving-persistent"
+    _serving().publish(
+        tmp_path / "hooked.json", tmp_path / "healing.json", bundle, steps=STEPS, chunk=CHUNK,
+        warm_steps=0,
+    )  # fmt: skip
+    assert _checks(bundle) == set()
+    doc = json.loads((bundle / SERVING_FILE).read_text())
+    assert doc["healing"]["setup"]["ladder_persistent"] is True
+    assert doc["definitions"]["ladder_healing_samples_in_window"].startswith(
+        "per rung: the healing samples the timed windows hold; ladder_persistent"
+    )
+    g = doc["healing"]["figures"]
+    # 3 kept windows of 128 steps x 8 layers after a warm-up window: calls 1025-4096 of a hook
+    assert g["ladder_healing_samples_in_window"] == {"off": 0, "4096": 1, "64": 48, "4": 768}
+    assert g["ladder_monitor_copies_in_window"] == {"off": 0, "4096": 0, "64": 48, "4": 768}
+
+
+LADDER_ORDER = ["64", "off", "4", "4096"]

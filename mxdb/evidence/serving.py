@@ -25,10 +25,13 @@ It holds the two parts of ``benchmarks/serving.py``:
   ``decoder`` (``stack``, or ``qwen3-moe``: a ``transformers`` Qwen3-MoE model patched by
   ``mxdb.integrations.transformers.patch``, its MoE blocks calling the hook), ``model_check``
   (the patched model's logits against the unpatched model's), ``ladder_steps`` (the steps of a
-  ladder window, which replace ``steps // 2`` in the ladder's figures) and ``ladder_orders``
-  (the rungs' order in each repetition, shuffled per repetition), and to the part the
-  ``ladder_counters`` (the routing-monitor copies and healing samples each ladder window
-  counted).
+  ladder window, which replace ``steps // 2`` in the ladder's figures), ``ladder_orders``
+  (the rungs' order in each repetition, shuffled per repetition) and ``ladder_persistent``
+  (one hook per rung kept for the whole ladder, so that its sampling count goes on across its
+  windows: a rung sampling every 4096 calls samples over the ladder as in serving, not never
+  within short windows; :data:`DEFINITIONS_1_1`), and to the part the ``ladder_counters``
+  (the routing-monitor copies and healing samples each hook had counted at the end of each of
+  its windows).
 
 Every figure is recomputed by the audit with :func:`build_serving` (the writer's own function)
 from the inputs the document keeps; :data:`DEFINITIONS` says what each one is.
@@ -114,6 +117,25 @@ DEFINITIONS: dict[str, str] = {
     "ladder_overhead_4096_extrapolated_from_64": "ladder_overhead['64'] * 64 / 4096: the cost "
     "of sampling every 4096 calls if it is proportional to the samples taken (an estimate)",
 }
+
+#: What version 1.1 changes in :data:`DEFINITIONS`: the ladder of a ``ladder_persistent`` run
+#: keeps one hook per rung for the whole ladder (installed again for each of its windows, its
+#: call counts going on), each window one fresh sequence of ``ladder_steps`` steps.
+DEFINITIONS_1_1: dict[str, str] = {
+    **DEFINITIONS,
+    "ladder_paired_overhead": "per rung: 1 - median over repetitions of rung_r / off_r (the "
+    "rungs' order within a repetition is in ladder_orders)",
+    "ladder_healing_samples_in_window": "per rung: the healing samples the timed windows hold; "
+    "ladder_persistent: over all kept windows, floor((reps + 1) * ladder_steps * layers / N) - "
+    "floor(ladder_steps * layers / N) (one hook per rung, its count going on across its windows, "
+    "the first repetition not kept); otherwise per window, as in 1.0 with ladder_steps for "
+    "steps/2",
+    "ladder_monitor_copies_in_window": "per rung: the routing-monitor copies the timed windows "
+    "hold; ladder_persistent: over all kept windows, layers * (floor((reps + 1) * ladder_steps / "
+    "N) - floor(ladder_steps / N)); otherwise per window, as in 1.0 with ladder_steps for "
+    "steps/2",
+}
+
 
 #: The serving targets (issue 14; fixed here: the auditor checks a document's thresholds).
 TARGETS: tuple[TargetSpec, ...] = (
@@ -287,6 +309,9 @@ class ServingHealingSetup(_Doc):
     ladder_steps: int | None = Field(default=None, ge=1, description="1.1: steps of a window")
     ladder_orders: list[list[str]] | None = Field(
         default=None, description="1.1: the rungs' order in each kept repetition"
+    )
+    ladder_persistent: bool | None = Field(
+        default=None, description="1.1: one hook per rung for the whole ladder"
     )
 
 
@@ -503,7 +528,12 @@ def healing_figures(
             paired[k] = 1.0 - stats.median([a / b for a, b in zip(v, off, strict=True)])
     layers = int(setup["model"]["layers"])
     warm = int(setup["warm_steps"])
-    end = warm + int(setup.get("ladder_steps") or int(setup["steps"]) // 2)
+    window = int(setup.get("ladder_steps") or int(setup["steps"]) // 2)
+    end = warm + window
+    if setup.get("ladder_persistent"):
+        # one hook per rung for the whole ladder: its count goes on over its windows, and the
+        # first repetition (which warms up) is not kept
+        warm, end = window, (int(setup["ladder_reps"]) + 1) * window
     samples_in: dict[str, int] = {}
     copies_in: dict[str, int] = {}
     for k in ladder:
@@ -612,7 +642,7 @@ def build_serving(
         "schema_version": schema_version,
         "milestone": milestone,
         "fingerprint_hash": fingerprint_hash,
-        "definitions": dict(DEFINITIONS),
+        "definitions": dict(DEFINITIONS if schema_version == "1.0" else DEFINITIONS_1_1),
         "notes": list(notes),
         "hooked": h_part,
         "healing": g_part,
@@ -743,6 +773,7 @@ def from_raw(
             "model_check": h.get("model_check"),
             "ladder_steps": h["ladder"].get("steps"),
             "ladder_orders": h["ladder"].get("orders"),
+            "ladder_persistent": h["ladder"].get("persistent"),
         },
         "samples": {
             "clean": h["clean"]["tokens_per_s"],

@@ -772,7 +772,6 @@ def install(
     FlagGems; None where it cannot be asked).  Installing again replaces the previous
     installation.
     """
-    global _installed
     if dispatcher is None:
         from mxdb.dispatcher import default_dispatcher
 
@@ -788,7 +787,20 @@ def install(
         lean_max_tokens=lean_max_tokens,
         safe_config=safe_config,
     )
+    return install_hook(hook)
+
+
+def install_hook(hook: Hook) -> Hook:
+    """Install an existing hook object (replacing the installed one), keeping its state.
+
+    A hook that was installed before and replaced keeps its call counts, routing classes,
+    healing state and built layers; installing it again continues from them.  Benchmarks use
+    this to alternate between hooks of different options without starting each one anew.
+    """
+    global _installed
     with _install_lock:
+        if _installed is hook:
+            return hook
         if _installed is not None:
             _installed.unpatch()
             _installed = None
