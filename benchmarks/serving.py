@@ -370,9 +370,19 @@ def _capture(
     Dispatcher: Any, DispatchOptions: Any, HealingOptions: Any, make_activations: Any,
     generate: Any,
 ) -> dict[str, Any]:  # fmt: skip
-    """One hooked call (M=2: a dispatched point of both peers families in the shipped store)
-    captured with the monitor and healing on; replay vs eager."""
+    """One hooked call captured with the monitor and healing on; replay vs eager.  The call
+    is the first of M = 2, 1, 4, 8, 16 (uniform routing, seed M) that the store dispatches a
+    config for: healing samples only dispatched calls, and the check needs one after capture."""
+    from mxdb.routing import classify, features
+
+    probe = Dispatcher(store, fp, DispatchOptions(policy="strict"))
     m = 2
+    for cand in (2, 1, 4, 8, 16):
+        ids_np = generate("uniform", cand, fam.experts, fam.topk, seed=cand)
+        rc = classify(features(ids_np, fam.experts))
+        if probe.dispatch(fam.with_tokens(cand), rc).config is not None:
+            m = cand
+            break
     shape = fam.with_tokens(m)
     ids_np = generate("uniform", m, fam.experts, fam.topk, seed=m)
     ids_t = torch.from_numpy(ids_np.astype("int32")).cuda()

@@ -209,3 +209,19 @@ def test_dead_workers_claim_is_taken_after_expiry(
     assert store.complete_point(claim, measurements=[_measurement("r")])
     [state] = store.points("job")
     assert (state.state, state.worker, state.attempts) == ("done", "rescuer", 2)
+
+
+def test_a_later_tune_of_a_stored_key_supersedes_the_row(store: Store) -> None:
+    old = _entry(16).model_copy(
+        update={"status": "baseline", "evidence": "job1-p-base", "speedup": 1.0, "confidence": None}
+    )
+    store.add_entries([old])
+    store.add_entries([old.model_copy(update={"evidence": "import-again"})])  # an import: skipped
+    assert [e.evidence for e in store.entries()] == ["job1-p-base"]
+    store.add_points("job2", [("p", {})])
+    claim = store.claim_point("job2", "w")
+    assert claim is not None
+    new = old.model_copy(update={"evidence": "job2-p-base", "noise_band": 0.004})
+    assert store.complete_point(claim, entries=[new], measurements=[_measurement("job2-p-base")])
+    (row,) = store.entries()
+    assert (row.evidence, row.noise_band, row.status) == ("job2-p-base", 0.004, "baseline")

@@ -26,11 +26,11 @@ from mxdb.evidence.serving import (
     HEALING_INPUTS,
     HOOKED_INPUTS,
     SMALL_TOKENS_MAX,
-    TARGETS,
     build_serving,
     flat_figures,
     hook_path,
     render_report,
+    targets_for,
 )
 
 FALLBACK_PATHS = ("lean_fallback", "flaggems_fallback")
@@ -248,8 +248,9 @@ def check_serving(
     figures = flat_figures(recomputed)
     recomputed.pop("targets")
     compare_claims(sink, rel, claimed, recomputed, _code, tol)
-    check_targets(sink, rel, "serving", doc["targets"], TARGETS, figures, tol)
-    specs = {t.name: t for t in TARGETS}
+    targets = targets_for(doc["schema_version"])
+    check_targets(sink, rel, "serving", doc["targets"], targets, figures, tol)
+    specs = {t.name: t for t in targets}
     for i, t in enumerate(doc["targets"]):
         spec = specs.get(str(t.get("name")))
         if spec is not None and t.get("statement") != spec.statement:

@@ -123,6 +123,11 @@ DEFINITIONS: dict[str, str] = {
 #: call counts going on), each window one fresh sequence of ``ladder_steps`` steps.
 DEFINITIONS_1_1: dict[str, str] = {
     **DEFINITIONS,
+    "ladder_paired_overhead_ci": "per rung: [1 - s, 1 - high, 1 - low] for s, [low, high] = "
+    "mxdb.verdict.paired(off's seconds per token, the rung's) over the repetitions (the "
+    "median paired ratio and its 95% sign-test interval; an unbounded end, with fewer than 6 "
+    "repetitions, is null)",
+    "ladder_paired_overhead_4096": "ladder_paired_overhead_ci['4096'][0]: the target's figure",
     "ladder_paired_overhead": "per rung: 1 - median over repetitions of rung_r / off_r (the "
     "rungs' order within a repetition is in ladder_orders)",
     "ladder_healing_samples_in_window": "per rung: the healing samples the timed windows hold; "
@@ -180,6 +185,26 @@ TARGETS: tuple[TargetSpec, ...] = (
         "tokens/s (against both off)",
     ),
 )
+
+#: Version 1.1 judges the overhead with the paired statistic over the ladder's repetitions
+#: (a drift of the machine during the ladder moves every rung of a repetition alike).
+TARGETS_1_1: tuple[TargetSpec, ...] = (
+    *TARGETS[:-1],
+    TargetSpec(
+        name="overhead_every_4096",
+        figure="healing.ladder_paired_overhead_4096",
+        comparison="le",
+        threshold=0.01,
+        statement="routing monitor and healing sampling every 4096 calls cost at most 1% of "
+        "tokens/s: 1 - the paired speedup (mxdb.verdict.paired) of the per-token time of the "
+        "rung over monitoring off, over the ladder's repetitions",
+    ),
+)
+
+
+def targets_for(schema_version: str) -> tuple[TargetSpec, ...]:
+    """The targets a document of ``schema_version`` is judged by."""
+    return TARGETS if schema_version == "1.0" else TARGETS_1_1
 
 
 # -- the document ---------------------------------------------------------------------------
@@ -357,6 +382,12 @@ class HealingFigures(_Doc):
     ladder_healing_samples_in_window: dict[str, int]
     ladder_monitor_copies_in_window: dict[str, int]
     ladder_overhead_4096_extrapolated_from_64: float | None
+    ladder_paired_overhead_ci: dict[str, list[float | None]] | None = Field(
+        default=None, description="1.1: per rung, [overhead, low, high] (sign-test interval)"
+    )
+    ladder_paired_overhead_4096: float | None = Field(
+        default=None, description="1.1: ladder_paired_overhead_ci['4096'][0]"
+    )
 
 
 class HealingPart(_Doc):
@@ -509,9 +540,13 @@ def _mean(xs: Sequence[float]) -> float:
 
 
 def healing_figures(
-    setup: Mapping[str, Any], samples: Mapping[str, Any], transitions: Sequence[Mapping[str, Any]]
+    setup: Mapping[str, Any],
+    samples: Mapping[str, Any],
+    transitions: Sequence[Mapping[str, Any]],
+    schema_version: str = "1.0",
 ) -> dict[str, Any]:
-    """The figures of the self-healing part from its chunks (see :data:`DEFINITIONS`)."""
+    """The figures of the self-healing part from its chunks (see :data:`DEFINITIONS`; 1.1
+    adds the paired overhead of :data:`DEFINITIONS_1_1`)."""
     clean = _med(samples["clean"])
     static = _med(samples["static_injected"])
     healed = _med(samples["healing_injected"][-int(setup["tail_chunks"]) :])
@@ -545,7 +580,25 @@ def healing_figures(
         if t["kind"] in ("demote", "recover", "exhausted"):
             active = int(t["to"])
     o64 = overhead.get("64")
+    extra: dict[str, Any] = {}
+    if schema_version != "1.0":
+        # tokens/s -> seconds per token, so that the verdict module's paired speedup applies
+        pv: dict[str, list[float | None] | None] = {}
+        for k, v in ladder.items():
+            p = verdict.paired([1.0 / x for x in off], [1.0 / x for x in v]) if k != "off" else None
+            if p is None:
+                pv[k] = None
+                continue
+            # with too few repetitions for an interval an end is unbounded: null
+            low = 1.0 - p.high if math.isfinite(p.high) else None
+            high = 1.0 - p.low if p.low > 0 else None
+            pv[k] = [1.0 - p.speedup, low, high]
+        extra = {
+            "ladder_paired_overhead_ci": {k: v for k, v in pv.items() if v is not None},
+            "ladder_paired_overhead_4096": o4096[0] if (o4096 := pv.get("4096")) else None,
+        }
     return {
+        **extra,
         "clean_tokens_per_s": clean,
         "static_clean_tokens_per_s": _med(samples["static_clean"]),
         "static_injected_tokens_per_s": static,
@@ -633,7 +686,9 @@ def build_serving(
     }
     g_part = {
         **{k: healing[k] for k in HEALING_INPUTS},
-        "figures": healing_figures(healing["setup"], healing["samples"], healing["transitions"]),
+        "figures": healing_figures(
+            healing["setup"], healing["samples"], healing["transitions"], schema_version
+        ),
     }
     if schema_version != "1.0":
         g_part["ladder_counters"] = healing.get("ladder_counters")
@@ -647,7 +702,7 @@ def build_serving(
         "hooked": h_part,
         "healing": g_part,
     }
-    doc["targets"] = build_targets(flat_figures(doc), TARGETS)
+    doc["targets"] = build_targets(flat_figures(doc), targets_for(schema_version))
     return doc
 
 
@@ -824,7 +879,12 @@ def _kv(d: Mapping[str, Any] | None) -> str:
     """A mapping as ``k v, ...`` in key order (the report does not depend on key order)."""
     if d is None:
         return "-"
-    return ", ".join(f"{k} {d[k]}" for k in sorted(d))
+    def text(v: Any) -> str:
+        if isinstance(v, Mapping):
+            return "{" + ", ".join(f"{k}: {text(v[k])}" for k in sorted(v)) + "}"
+        return str(v)
+
+    return ", ".join(f"{k} {text(d[k])}" for k in sorted(d))
 
 
 def render_report(doc: Mapping[str, Any]) -> str:
