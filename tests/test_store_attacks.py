@@ -1,6 +1,7 @@
 """Attacks on the store a bundle exports, and on imports: each is caught, none is dispatched.
 
-The bundles are the committed H200 re-tune of the peers workload (run schema 1.1): the audit
+The bundles are the committed H200 tunes behind the shipped store (the peers workload and its
+sparse class, run schema 1.1): the audit
 rebuilds every exported entry from the runs' raw samples, so an entry that is made up, edited
 or stripped of its bundle is a finding, even with every hash and the manifest recomputed.
 """
@@ -33,7 +34,7 @@ EXPORT = "store_export.json"
 
 @pytest.fixture()
 def bundles(tmp_path: Path) -> Path:
-    assert len(BUNDLES) == 3, BUNDLES
+    assert len(BUNDLES) == 4, BUNDLES  # the three routings of the peers tune, and sparse
     root = tmp_path / "ev"
     for b in BUNDLES:
         shutil.copytree(b, root / b.name)
