@@ -1,9 +1,9 @@
 """Attacks on the store a bundle exports, and on imports: each is caught, none is dispatched.
 
 The bundles are the committed H200 tunes behind the shipped store (the peers workload and its
-sparse class, run schema 1.1): the audit
-rebuilds every exported entry from the runs' raw samples, so an entry that is made up, edited
-or stripped of its bundle is a finding, even with every hash and the manifest recomputed.
+sparse class, run schema 1.1): the audit rebuilds every exported entry from the runs' raw
+samples, so an entry that is made up, edited or stripped of its bundle is a finding, even with
+every hash and the manifest recomputed.
 """
 
 from __future__ import annotations
