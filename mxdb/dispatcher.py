@@ -16,7 +16,10 @@ of the call's, and its routing class is the same or adjacent.  A ``baseline``
 entry (the tuner measured that key and nothing beat FlagGems' own choice) takes
 part in that choice like a verified one, and outranks verified entries of the
 same key (traces of one routing class that disagree); when it is the closest,
-the answer is the fallback (FlagGems' choice) with reason ``baseline_measured``.
+the answer is the fallback (FlagGems' choice) with reason ``baseline_measured``.  A
+``parity`` entry (a peer's table row at parity with FlagGems' choice on every routing instance
+measured, and faster pooled over them) answers its own key only, with reason ``peer_parity``;
+it ranks below a baseline record and above verified entries of the same key.
 """
 
 from __future__ import annotations
@@ -346,7 +349,7 @@ class Dispatcher:
         any_verified = False
         for row in fam.rows:
             row_id, tokens, routing_class, _, fp_hash, status, speedup = row
-            if status != "verified" and status != "baseline":
+            if status != "verified" and status != "baseline" and status != "parity":
                 continue
             any_verified = True
             ok = ok_of.get(fp_hash)
@@ -361,8 +364,11 @@ class Dispatcher:
             # A baseline record outranks verified configs at the same key: routings of one
             # class (several traces) measured there disagree, and on one of them nothing beat
             # FlagGems' choice, so FlagGems' choice is the answer no measurement contradicts.
-            rank = (status == "baseline", speedup or 0.0, row_id)
-            if old is None or rank > (old[5] == "baseline", old[6] or 0.0, old[0]):
+            # A parity record (a peer's row at parity with it) ranks between the two.
+            rank = (status == "baseline", status == "parity", speedup or 0.0, row_id)
+            if old is None or rank > (
+                old[5] == "baseline", old[5] == "parity", old[6] or 0.0, old[0]
+            ):
                 by_tokens[tokens] = row
         if not best:
             stale_here = any(
@@ -422,6 +428,8 @@ class Dispatcher:
         if row.status == "baseline":
             # the nearest measurement found FlagGems' own choice best: answer with it
             return fallback("baseline_measured")
+        if row.status == "parity":
+            reason = "peer_parity"
         try:
             config = self._config(op, row)
         except (MxdbError, ValueError, TypeError, KeyError, AttributeError):
@@ -429,7 +437,7 @@ class Dispatcher:
             return fallback("invalid_entry")
         return Decision(
             config=config,
-            level=EXACT if reason == "exact_match" else NEIGHBOUR,
+            level=EXACT if reason in ("exact_match", "peer_parity") else NEIGHBOUR,
             confidence=round(confidence, 4),
             reason=reason,
             entry_id=row.id,
@@ -455,6 +463,12 @@ class Dispatcher:
         """
         if row.status == "baseline" or self.store is None:
             return CONFIDENCE_EXACT
+        if row.status == "parity":
+            # validated at its own key only: elsewhere the answer is a fallback
+            if reason != "exact_match":
+                return None
+            confidence, _ = self._validation(row.id)
+            return confidence if confidence is not None else CONFIDENCE_EXACT
         if op != MOE_OP:
             ratio = max(row.tokens, tokens) / min(row.tokens, tokens)
             span = math.log2(self.options.neighbour_ratio) or 1.0

@@ -43,9 +43,11 @@ ADJACENT_CLASSES: dict[str, frozenset[str]] = {
 #: verified: correct and faster than FlagGems' own choice beyond the noise band (dispatched);
 #: baseline: measured at this key, and nothing beat FlagGems' own choice beyond the noise band
 #: (the dispatcher answers with FlagGems' choice there rather than a neighbour's config);
-#: imported: a peer table's config (a search seed, never dispatched); stale: its environment
-#: changed (kept for the record); rejected: withdrawn.
-EntryStatus = Literal["verified", "baseline", "imported", "stale", "rejected"]
+#: parity: a peer table's row (vLLM's) that nothing beat, measured slower than FlagGems' choice
+#: on none of the point's routing instances and faster pooled over them (dispatched at its own
+#: key; ``mxdb.pointverdict`` rule 2); imported: a peer table's config (a search seed, never
+#: dispatched); stale: its environment changed (kept for the record); rejected: withdrawn.
+EntryStatus = Literal["verified", "baseline", "parity", "imported", "stale", "rejected"]
 MeasurementStatus = Literal["ok", "oor", "compile_error", "wrong", "timeout", "slower"]
 MEASUREMENT_STATUSES: tuple[str, ...] = ("ok", "oor", "compile_error", "wrong", "timeout", "slower")
 

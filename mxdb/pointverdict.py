@@ -27,6 +27,16 @@ The decision:
    than the bar row on each of at least :data:`HELDOUT_MIN` held-out instances; its confidence
    is the fraction of held-out instances won.  A point whose choice lost a held-out instance,
    or that had candidates and none faster, is a ``baseline`` record: FlagGems' choice stands.
+4. Rule 2 (bundles of run schema 1.2 and later; :data:`RULE`): before a point becomes a
+   baseline record, the *parity row* is considered: of the peer rows not slower than FlagGems'
+   choice on the replay, the one with the largest speedup.  It becomes a ``parity`` record (the
+   dispatcher answers it at its own key) when it was timed on at least :data:`HELDOUT_MIN`
+   held-out instances, is slower than FlagGems' choice on none of them, and its speedup over
+   FlagGems' choice pooled over the replay and those instances (each arm's rounds concatenated
+   in comparison order, so a pair stays within a round) is above 1.  A peer's table row that
+   ties with FlagGems' choice everywhere and is the faster of the two overall is then the
+   answer: neither slower than FlagGems' choice nor than the peer's own table.  Its confidence
+   is the fraction of held-out instances on which its speedup is at least 1.
 """
 
 from __future__ import annotations
@@ -40,7 +50,10 @@ from mxdb import verdict
 #: Held-out routing instances a verified entry must have won, at the least.
 HELDOUT_MIN = 3
 
-DecisionStatus = Literal["verified", "baseline", "none"]
+#: The decision rule new tunes use: 2 adds the parity record (item 4 of the module docstring).
+RULE = 2
+
+DecisionStatus = Literal["verified", "baseline", "parity", "none"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,11 +199,91 @@ def choose(arms: Sequence[Arm]) -> tuple[Arm | None, Arm | None, dict[str, verdi
     return best, bar, verdicts
 
 
-def decide(arms: Iterable[Arm], *, heldout_min: int = HELDOUT_MIN) -> PointDecision:
-    """The decision of one point from all its arms (see the module docstring)."""
+def parity_row(arms: Sequence[Arm]) -> Arm | None:
+    """The replay's parity row: of the usable peer rows (another config than FlagGems' choice)
+    not slower than FlagGems' choice, the one with the largest speedup (ties: smaller run id).
+    Only the replay comparison's arms count."""
+    arms = [a for a in arms if a.comparison == "replay"]
+    base, copies = copies_of(arms)
+    if base is None or not copies:
+        return None
+    samples = [list(a.samples) for a in copies]
+    best: tuple[float, Arm] | None = None
+    for a in sorted(arms, key=lambda x: x.run_id):
+        if a.role != "peer" or a.config_hash == base.config_hash or not usable(a):
+            continue
+        v = verdict.compare(samples, a.samples, margin=a.margin)
+        if v.slower or v.speedup is None:
+            continue
+        if best is None or v.speedup > best[0]:
+            best = (v.speedup, a)
+    return best[1] if best is not None else None
+
+
+def _parity(
+    by_comp: Mapping[str, list[Arm]], heldout: Sequence[str], heldout_min: int
+) -> PointDecision | None:
+    """The parity record of rule 2, or None where the parity row does not hold (docstring 4)."""
+    replay = by_comp.get("replay", [])
+    row = parity_row(replay)
+    if row is None or len(heldout) < heldout_min:
+        return None
+    base, _ = copies_of(replay)
+    assert base is not None
+    pooled_copies: list[list[float]] = []
+    pooled_row: list[float] = []
+    validation: list[dict[str, Any]] = []
+    at_least_even = 0
+    for name in ["replay", *heldout]:
+        comp = by_comp[name]
+        _, copies = copies_of(comp)
+        arm = next((a for a in comp if a.config_hash == row.config_hash and usable(a)), None)
+        if arm is None or len(copies) < 2:
+            return None
+        if pooled_copies and len(copies) != len(pooled_copies):
+            return None
+        v = verdict.compare([list(c.samples) for c in copies], arm.samples, margin=arm.margin)
+        if v.slower or v.speedup is None:
+            return None
+        if not pooled_copies:
+            pooled_copies = [[] for _ in copies]
+        for j, c in enumerate(copies):
+            pooled_copies[j] += list(c.samples)
+        pooled_row += list(arm.samples)
+        if name != "replay":
+            at_least_even += v.speedup >= 1.0
+            validation.append(_record(name, arm, v, True))
+    pooled = verdict.compare(pooled_copies, pooled_row, margin=row.margin)
+    if pooled.speedup is None or not pooled.speedup > 1.0:
+        return None
+    base_us = verdict.median(base.samples) if base.samples else None
+    return PointDecision(
+        "parity", row.config_hash, row.run_id, pooled.speedup, pooled.low, pooled.high,
+        pooled.noise_band, verdict.median(row.samples), base_us,
+        at_least_even / len(heldout), validation,
+        reason=f"the peer row is slower than FlagGems' choice on none of the replay and "
+        f"{len(heldout)} held-out routing instances, and faster pooled over them "
+        f"({pooled.speedup:.4f}x)",
+    )  # fmt: skip
+
+
+def decide(
+    arms: Iterable[Arm], *, heldout_min: int = HELDOUT_MIN, rule: int = 1
+) -> PointDecision:
+    """The decision of one point from all its arms (see the module docstring; ``rule`` 2
+    adds the parity record)."""
     by_comp: dict[str, list[Arm]] = {}
     for a in arms:
         by_comp.setdefault(a.comparison, []).append(a)
+    first = _decide(by_comp, heldout_min)
+    if rule < 2 or first.status != "baseline":
+        return first
+    heldout = sorted(n for n in by_comp if n.startswith("heldout-"))
+    return _parity(by_comp, heldout, heldout_min) or first
+
+
+def _decide(by_comp: Mapping[str, list[Arm]], heldout_min: int) -> PointDecision:
+    """Items 1-3 of the module docstring."""
     replay = by_comp.get("replay", [])
     base, _ = copies_of(replay)
     base_us = verdict.median(base.samples) if base is not None and base.samples else None

@@ -184,3 +184,50 @@ def test_wrong_results_and_nothing_compared() -> None:
     d = pointverdict.decide(wrong)
     assert d.status == "none"  # nothing correct was compared with FlagGems' choice
     assert pointverdict.decide(_comparison("replay", COPIES)).status == "none"
+
+
+def _parity_point(peer_us: list[float], replay_us: float = 99.9) -> list[Arm]:
+    """A point whose candidates lose, with vLLM's row at ``replay_us`` on the replay and at
+    ``peer_us[i]`` on held-out instance i (FlagGems' choice at 100)."""
+    replay = _comparison(
+        "replay", {**COPIES, "fin01": ("candidate", "W", 101.0), "fin02": ("peer", "P", replay_us)}
+    )
+    held = [
+        a
+        for i, us in enumerate(peer_us)
+        for a in _comparison(f"heldout-{i + 1}", {**COPIES, "peer": ("peer", "P", us)}, seed=i + 7)
+    ]
+    return [*replay, *held]
+
+
+def test_rule_2_answers_a_peer_row_at_parity() -> None:
+    arms = _parity_point([99.8, 100.0, 99.9])
+    # rule 1: nothing beat FlagGems' choice beyond the margin, so it stands
+    assert pointverdict.decide(arms).status == "baseline"
+    d = pointverdict.decide(arms, rule=2)
+    assert d.status == "parity" and d.config_hash == "P" and d.evidence == "replay-fin02"
+    assert d.speedup is not None and 1.0 < d.speedup < 1.005
+    assert [v["comparison"] for v in d.validation] == ["heldout-1", "heldout-2", "heldout-3"]
+    assert all(v["won"] for v in d.validation) and d.confidence == pytest.approx(2 / 3)
+    assert "held-out" in d.reason
+
+
+def test_rule_2_keeps_flaggems_choice_where_the_peer_row_is_not_at_parity() -> None:
+    # slower than FlagGems' choice on one held-out instance
+    assert pointverdict.decide(_parity_point([99.8, 103.0, 99.9]), rule=2).status == "baseline"
+    # never slower, but not faster pooled either
+    assert pointverdict.decide(_parity_point([100.1, 100.2, 100.1], 100.1), rule=2).status == (
+        "baseline"
+    )
+    # timed on fewer held-out instances than required
+    assert pointverdict.decide(_parity_point([99.8, 99.9]), rule=2).status == "baseline"
+    # slower on the replay: no parity row at all
+    assert pointverdict.parity_row(_parity_point([99.0] * 3, 104.0)) is None
+    # a verified point stays verified under rule 2
+    replay = _comparison("replay", {**COPIES, "fin01": ("candidate", "W", 90.0)})
+    held = [
+        a
+        for i in range(3)
+        for a in _comparison(f"heldout-{i + 1}", {**COPIES, "cand": ("candidate", "W", 92.0)})
+    ]
+    assert pointverdict.decide([*replay, *held], rule=2).status == "verified"

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -39,7 +39,7 @@ F = "store_export.json"
 FIGURES = ("speedup", "noise_band", "median_us", "baseline_us", "confidence")
 #: Statuses an exported tune entry may carry; ``rejected`` is a verified entry that a later
 #: trace of its key contradicted (never dispatched, so it needs no more than its decision).
-STATUSES = ("verified", "baseline", "rejected")
+STATUSES = ("verified", "baseline", "parity", "rejected")
 
 
 def _key(e: Mapping[str, Any]) -> tuple[Any, ...]:
@@ -87,12 +87,19 @@ def check_store_export(
                 f"entries[{i}].status",
                 " or ".join(STATUSES),
                 e.get("status"),
-                "a tuning bundle exports only verified, baseline or rejected entries",
+                "a tuning bundle exports only verified, baseline, parity or rejected entries",
             )
     if any(r.get("point") for r in runs.values()):
         _check_decisions(sink, entries, runs, tol)
     else:
         _check_legacy(sink, entries, summary, runs, tol)
+
+
+def decision_rule(runs: Iterable[Mapping[str, Any]]) -> int:
+    """The point decision rule a point's runs were written under: run schema 1.2 is rule 2
+    (the parity record), earlier versions rule 1.  Mixed versions take the lower rule."""
+    versions = {str(r.get("schema_version")) for r in runs}
+    return 1 if versions - {"1.2"} else 2
 
 
 def decisions(
@@ -107,7 +114,7 @@ def decisions(
     for point in sorted(by_point):
         members = by_point[point]
         arms = [pointverdict.arm_from_run(r, run_passes(r)) for r in members]
-        d = pointverdict.decide(arms)
+        d = pointverdict.decide(arms, rule=decision_rule(members))
         base = next(
             (
                 r
@@ -122,7 +129,11 @@ def decisions(
 
 
 #: The exported statuses a decision allows: a verified entry may since have been rejected.
-ALLOWED = {"verified": ("verified", "rejected"), "baseline": ("baseline",)}
+ALLOWED = {
+    "verified": ("verified", "rejected"),
+    "baseline": ("baseline",),
+    "parity": ("parity", "rejected"),
+}
 
 
 def _check_decisions(

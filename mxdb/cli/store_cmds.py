@@ -249,7 +249,7 @@ def import_mxdb_cmd(path: Path, db: str | None, as_json: bool) -> None:
     "statuses",
     type=click.Choice(ENTRY_STATUSES),
     multiple=True,
-    default=("verified", "baseline"),
+    default=("verified", "baseline", "parity"),
     show_default=True,
     help="mxdb: entry statuses to export (repeatable).",
 )

@@ -148,6 +148,7 @@ def tune_cmd(
     click.echo(
         f"{report.workload}: {report.points_done}/{report.points_total} points done "
         f"({report.points_measured} measured now), {len(report.verified)} verified, "
+        f"{report.parity_keys} at parity with a peer row, {report.baseline_keys} baseline, "
         f"{report.seconds:.1f} s"
     )
     for v in report.verified:

@@ -30,11 +30,11 @@ KNOWN_VERSIONS: dict[str, tuple[str, ...]] = {
     "mxdb.manifest": ("1.0",),
     "mxdb.fingerprint": ("1.0", "1.1"),
     "mxdb.trace": ("1.0",),
-    "mxdb.run": ("1.0", "1.1"),
+    "mxdb.run": ("1.0", "1.1", "1.2"),
     "mxdb.summary": ("1.0", "1.1"),
     "mxdb.report": ("1.0",),
     "mxdb.signature": ("1.0",),
-    "mxdb.store-export": ("1.0", "1.1", "1.2"),
+    "mxdb.store-export": ("1.0", "1.1", "1.2", "1.3"),
     "mxdb.compile-survey": ("1.0", "1.1"),
     "mxdb.decode": ("1.0",),
     "mxdb.peers": ("1.0", "1.1", "1.2"),
@@ -182,10 +182,14 @@ class Timing(_Doc):
 
 
 class RunRecord(_Doc):
-    """``runs/<run_id>.json``: one measured or failed candidate; failures are results too."""
+    """``runs/<run_id>.json``: one measured or failed candidate; failures are results too.
+
+    The version names the point decision rule the bundle's store export was made by
+    (``mxdb.pointverdict``): 1.1 rule 1, 1.2 rule 2 (the parity record); same fields.
+    """
 
     schema_name: Literal["mxdb.run"] = Field(default="mxdb.run", alias="schema")
-    schema_version: Literal["1.0", "1.1"] = "1.1"
+    schema_version: Literal["1.0", "1.1", "1.2"] = "1.2"
     run_id: str = Field(pattern=_ID)
     milestone: str = Field(min_length=1)
     op: Literal["fused_moe"] = "fused_moe"

@@ -29,9 +29,10 @@ if TYPE_CHECKING:
     from mxdb.store import Store
 
 EXPORT_SCHEMA = "mxdb.store-export"
-EXPORT_VERSION = "1.2"
-#: Versions this mxdb reads: 1.1 added the ``baseline`` entry status.
-READABLE_VERSIONS = ("1.0", "1.1", "1.2")
+EXPORT_VERSION = "1.3"
+#: Versions this mxdb reads: 1.1 added the ``baseline`` entry status, 1.2 the held-out
+#: validation fields, 1.3 the ``parity`` entry status.
+READABLE_VERSIONS = ("1.0", "1.1", "1.2", "1.3")
 FORMATS = ("mxdb", "vllm", "flaggems")
 
 
@@ -41,7 +42,7 @@ class StoreExport(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     schema_: Literal["mxdb.store-export"] = Field(default="mxdb.store-export", alias="schema")
-    schema_version: Literal["1.0", "1.1", "1.2"] = "1.2"
+    schema_version: Literal["1.0", "1.1", "1.2", "1.3"] = "1.3"
     exported_at: datetime = Field(default_factory=utcnow)
     mxdb_version: str = __version__
     fingerprints: dict[str, Fingerprint] = Field(default_factory=dict)
@@ -59,7 +60,7 @@ class ExportOptions:
     class; a baseline record means "FlagGems' own choice", which those tables already hold.
     """
 
-    statuses: tuple[str, ...] = ("verified", "baseline")
+    statuses: tuple[str, ...] = ("verified", "baseline", "parity")
     dtype: str = "bf16"
     routing_class: str = "uniform"
     #: vllm/flaggems: the fingerprint whose rows to write (required for those formats)

@@ -9,12 +9,14 @@ as one config for both GEMMs.  Each row, for the chosen fingerprint, dtype and r
 
 1. a ``baseline`` record at that M: the tuner measured that nothing beat FlagGems' choice,
    so the row is FlagGems' config (the dispatcher answers the same there);
-2. else the verified *uniform* entry with the highest speedup;
-3. else, where the verified entry is split (two GEMM configs or another alignment block,
+2. else a ``parity`` record's config (a peer's row at parity with FlagGems' choice, which the
+   dispatcher answers there);
+3. else the verified *uniform* entry with the highest speedup;
+4. else, where the verified entry is split (two GEMM configs or another alignment block,
    which these tables cannot express), the best single config the tuner measured beside it
    (a ``tune-single`` record), else the baseline config that entry was measured against;
-4. else vLLM's own row at that M, from a vLLM table imported for the same device;
-5. else (no measurement and no imported vLLM table) the row of the nearest M decided above,
+5. else vLLM's own row at that M, from a vLLM table imported for the same device;
+6. else (no measurement and no imported vLLM table) the row of the nearest M decided above,
    which is the row vLLM itself would have used with a shorter table; such rows are listed.
 
 Never written: half of a split entry, an entry of another fingerprint, a rejected or stale one.
@@ -38,7 +40,9 @@ if TYPE_CHECKING:
 
 
 #: Where a row came from, best first.
-ROW_SOURCES = ("baseline", "verified", "single", "baseline-config", "vllm", "nearest")
+ROW_SOURCES = (
+    "baseline", "parity", "verified", "single", "baseline-config", "vllm", "nearest"
+)
 
 
 @dataclass(frozen=True)
@@ -87,7 +91,7 @@ class TableSet:
 def fingerprints_with_entries(store: Store) -> dict[str, str | None]:
     """{fingerprint hash: device name} of the fingerprints that have tuned MoE entries."""
     out: dict[str, str | None] = {}
-    for e in store.entries(op=MOE_OP, status=["verified", "baseline"]):
+    for e in store.entries(op=MOE_OP, status=["verified", "baseline", "parity"]):
         if e.fingerprint_hash:
             out.setdefault(e.fingerprint_hash, e.device_name)
     return out
@@ -125,7 +129,7 @@ def build(
         for e in store.entries(op=MOE_OP, dtype=dtype, fingerprint_hash=fingerprint_hash)
         if e.routing_class == routing_class
         and (
-            e.status in ("verified", "baseline")
+            e.status in ("verified", "baseline", "parity")
             or (e.status == "imported" and e.source == SINGLE_SOURCE)
         )
     ]
@@ -180,6 +184,12 @@ def _measured_row(at_key: list[Entry], notes: list[str]) -> Row | None:
         cfg = _uniform_gemm(best)
         if cfg is not None:
             return Row(cfg, "baseline", best.id)
+    parity = [e for e in at_key if e.status == "parity" and _uniform_gemm(e) is not None]
+    if parity:
+        best = max(parity, key=lambda e: (e.speedup or 0.0, e.id or 0))
+        cfg = _uniform_gemm(best)
+        assert cfg is not None
+        return Row(cfg, "parity", best.id)
     verified = [e for e in at_key if e.status == "verified"]
     uniform = [e for e in verified if _uniform_gemm(e) is not None]
     if uniform:

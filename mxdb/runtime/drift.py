@@ -148,7 +148,7 @@ def check(
         breaking = mismatches(old, current, policy)
         if not breaking:
             continue
-        entries = store.entries(fingerprint_hash=h, status=["verified", "baseline"])
+        entries = store.entries(fingerprint_hash=h, status=["verified", "baseline", "parity"])
         if not judge_gpu and has_gpu_facts(old):
             cannot_judge.append(
                 {
@@ -182,7 +182,7 @@ def check(
     ok_hashes.add(current.hash)
     covered = {
         _key(e)
-        for e in store.entries(status=["verified", "baseline"])
+        for e in store.entries(status=["verified", "baseline", "parity"])
         if e.fingerprint_hash in ok_hashes
     }
     affected = {e.id: e for e in newly}

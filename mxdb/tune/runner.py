@@ -65,6 +65,8 @@ class TuneReport:
     verified: list[dict[str, Any]] = field(default_factory=list)
     #: keys measured where FlagGems' own choice was not beaten (stored as ``baseline`` entries)
     baseline_keys: int = 0
+    #: keys that answer a peer's table row at parity with FlagGems' choice (``parity``)
+    parity_keys: int = 0
     bundle: str | None = None
     #: every bundle written: one per routing source when the workload has several (two
     #: sources can fall into one routing class at small M, and a bundle's comparison group,
@@ -257,6 +259,7 @@ def _tune(
             if e.status == "verified"
         ],
         baseline_keys=sum(1 for e in entries if e.status == "baseline"),
+        parity_keys=sum(1 for e in entries if e.status == "parity"),
         bundle=str(path) if path else None,
         bundles=[str(p) for p in paths],
         budget_exhausted=done < total and deadline is not None and time.time() >= deadline,
@@ -412,7 +415,7 @@ def measure_point(
         backend, pin, options, space=space, budget_s=budget_s, clock=clock or time.monotonic
     )
     arms = [pointverdict.arm_from_measurement(m) for m in result.measurements if m.comparison]
-    decision = pointverdict.decide(arms, heldout_min=options.heldout)
+    decision = pointverdict.decide(arms, heldout_min=options.heldout, rule=pointverdict.RULE)
     entry = point_entry(
         result,
         decision,
@@ -642,7 +645,7 @@ def _job_entries(store: Store, job: str, fingerprint_hash: str) -> list[Entry]:
         for e in store.entries(
             fingerprint_hash=fingerprint_hash,
             source="tune",
-            status=["verified", "baseline", "rejected"],
+            status=["verified", "baseline", "parity", "rejected"],
         )
         if e.evidence and e.evidence.startswith(tag)
     ]

@@ -105,6 +105,9 @@ class SearchResult:
     ranking: list[tuple[KernelConfig, float]] = field(default_factory=list)
     #: the peer table row that beat FlagGems' choice and so sets the bar (mxdb.pointverdict)
     peer_bar: KernelConfig | None = None
+    #: the replay's parity row (``mxdb.pointverdict.parity_row``): timed on the held-out
+    #: instances too, so that a point nothing beats can still answer the peer's row
+    parity_peer: KernelConfig | None = None
 
 
 class _Recorder:
@@ -728,6 +731,9 @@ def _replay_and_check(
         result.winner_run_id = chosen.run_id
     if bar is not None:
         result.peer_bar = lineup[index[bar.run_id]]
+    parity = pointverdict.parity_row(arms)
+    if parity is not None:
+        result.parity_peer = lineup[index[parity.run_id]]
 
 
 def validate(
@@ -744,14 +750,20 @@ def validate(
     choice and its copies, the choice, and the peer row that set the bar; each neighbouring
     token count's instance (``tokens-M``) and each other routing source's (``class-N``)
     compares the choice with FlagGems' choice there.
-    The choice is checked against the reference on every instance.
+    The choice is checked against the reference on every instance.  The replay's parity row
+    (``result.parity_peer``), where it is another config, is timed on the held-out instances
+    too; where the replay chose nothing, the held-out instances time the parity row alone.
     """
+    parity = result.parity_peer
     chosen = result.winner
-    if chosen is None:
-        return
     comps: list[tuple[str, MoEShape, RoutingInput]] = [
         (f"heldout-{i + 1}", point.shape, r) for i, r in enumerate(point.heldout)
     ]
+    if chosen is None:
+        if parity is None:
+            return
+        _validate_parity(backend, point, options, parity, rec, comps, method)
+        return
     for r in point.neighbours:
         n = r.ids.shape[0]
         comps.append((f"tokens-{n}", point.shape.with_tokens(n), r))
@@ -760,8 +772,10 @@ def validate(
         base = backend.baseline_config(shape)
         extra = []
         bar = result.peer_bar
-        if name.startswith("heldout-") and bar is not None and bar.hash != chosen.hash:
-            extra = [bar]
+        if name.startswith("heldout-"):
+            # the bar row and the parity row (usually one config), where not the choice
+            extra = [c for c in {c.hash: c for c in (bar, parity) if c is not None}.values()
+                     if c.hash != chosen.hash]  # fmt: skip
         lineup = [*([base] * COPIES), chosen, *extra]
         acc, failure, oseed = timed_comparison(
             backend,
@@ -809,22 +823,79 @@ def validate(
             shape=shape,
             **common,
         )
-        if extra:
-            pcorr = backend.check(shape, routing.ids, extra[0], seed=options.check_seed)
+        _record_peers(rec, backend, options, shape, routing, extra, acc, failure, tag, common)
+
+
+def _record_peers(
+    rec: _Recorder,
+    backend: Backend,
+    options: SearchOptions,
+    shape: MoEShape,
+    routing: RoutingInput,
+    peers: Sequence[KernelConfig],
+    acc: list[list[float]],
+    failure: dict[int, Timing],
+    tag: str,
+    common: dict[str, Any],
+    first: int = COPIES + 1,
+) -> None:
+    """Record the peer rows of a held-out comparison (lineup positions from ``first`` on)."""
+    for k, cfg in enumerate(peers):
+        pcorr = backend.check(shape, routing.ids, cfg, seed=options.check_seed)
+        _record_final(
+            rec,
+            cfg,
+            "peer",
+            acc[first + k],
+            failure.get(first + k),
+            routing,
+            pcorr,
+            f"{tag}-peer" if k == 0 else f"{tag}-peer{k + 1}",
+            "layer",
+            status_override="wrong" if not pcorr.passed else None,
+            shape=shape,
+            **common,
+        )
+
+
+def _validate_parity(
+    backend: Backend,
+    point: PointInput,
+    options: SearchOptions,
+    parity: KernelConfig,
+    rec: _Recorder,
+    comps: Sequence[tuple[str, MoEShape, RoutingInput]],
+    method: str,
+) -> None:
+    """The held-out comparisons of a point whose replay chose nothing: FlagGems' choice and its
+    copies against the parity row (``mxdb.pointverdict`` rule 2)."""
+    for name, shape, routing in comps:
+        base = backend.baseline_config(shape)
+        acc, failure, oseed = timed_comparison(
+            backend,
+            shape,
+            routing,
+            [*([base] * COPIES), parity],
+            comparison=name,
+            replicates=options.heldout_replicates,
+            reps=options.replay_reps,
+            seed=point.seed,
+            method=method,
+        )
+        common: dict[str, Any] = {
+            "comparison": name,
+            "margin": options.verify_margin,
+            "order_seed": oseed,
+        }
+        tag = f"{point.run_prefix}-{name}"
+        for j, rid in enumerate([f"{tag}-base", f"{tag}-ctl-a", f"{tag}-ctl-b"]):
             _record_final(
-                rec,
-                extra[0],
-                "peer",
-                acc[COPIES + 1],
-                failure.get(COPIES + 1),
-                routing,
-                pcorr,
-                f"{tag}-peer",
-                "layer",
-                status_override="wrong" if not pcorr.passed else None,
-                shape=shape,
-                **common,
-            )
+                rec, base, "baseline" if j == 0 else "control", acc[j], failure.get(j), routing,
+                None, rid, "replay", shape=shape, **common,
+            )  # fmt: skip
+        _record_peers(
+            rec, backend, options, shape, routing, [parity], acc, failure, tag, common, COPIES
+        )
 
 
 def _record_final(

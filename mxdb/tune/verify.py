@@ -27,11 +27,16 @@ def point_entry(
     fingerprint_hash: str | None,
     device_name: str | None,
 ) -> Entry | None:
-    """The entry (``verified`` or ``baseline``) the decision supports, else None."""
+    """The entry (``verified``, ``parity`` or ``baseline``) the decision supports, else None."""
     if decision.status == "none":
         return None
-    if decision.status == "verified":
-        cands = [result.winner, result.peer_bar, *(c for c, _ in result.ranking)]
+    if decision.status in ("verified", "parity"):
+        cands = [
+            result.winner,
+            result.peer_bar,
+            result.parity_peer,
+            *(c for c, _ in result.ranking),
+        ]
         config = next((c for c in cands if c is not None and c.hash == decision.config_hash), None)
         if config is None:
             config = next(
