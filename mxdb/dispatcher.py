@@ -367,7 +367,10 @@ class Dispatcher:
             # A parity record (a peer's row at parity with it) ranks between the two.
             rank = (status == "baseline", status == "parity", speedup or 0.0, row_id)
             if old is None or rank > (
-                old[5] == "baseline", old[5] == "parity", old[6] or 0.0, old[0]
+                old[5] == "baseline",
+                old[5] == "parity",
+                old[6] or 0.0,
+                old[0],
             ):
                 by_tokens[tokens] = row
         if not best:

@@ -267,9 +267,7 @@ def _parity(
     )  # fmt: skip
 
 
-def decide(
-    arms: Iterable[Arm], *, heldout_min: int = HELDOUT_MIN, rule: int = 1
-) -> PointDecision:
+def decide(arms: Iterable[Arm], *, heldout_min: int = HELDOUT_MIN, rule: int = 1) -> PointDecision:
     """The decision of one point from all its arms (see the module docstring; ``rule`` 2
     adds the parity record)."""
     by_comp: dict[str, list[Arm]] = {}

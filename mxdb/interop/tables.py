@@ -40,9 +40,7 @@ if TYPE_CHECKING:
 
 
 #: Where a row came from, best first.
-ROW_SOURCES = (
-    "baseline", "parity", "verified", "single", "baseline-config", "vllm", "nearest"
-)
+ROW_SOURCES = ("baseline", "parity", "verified", "single", "baseline-config", "vllm", "nearest")
 
 
 @dataclass(frozen=True)
