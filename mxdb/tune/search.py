@@ -769,46 +769,16 @@ def validate(
         comps.append((f"tokens-{n}", point.shape.with_tokens(n), r))
     comps += [(f"class-{i + 1}", point.shape, r) for i, r in enumerate(point.classes)]
     for name, shape, routing in comps:
-        base = backend.baseline_config(shape)
         extra = []
         bar = result.peer_bar
         if name.startswith("heldout-"):
             # the bar row and the parity row (usually one config), where not the choice
             extra = [c for c in {c.hash: c for c in (bar, parity) if c is not None}.values()
                      if c.hash != chosen.hash]  # fmt: skip
-        lineup = [*([base] * COPIES), chosen, *extra]
-        acc, failure, oseed = timed_comparison(
-            backend,
-            shape,
-            routing,
-            lineup,
-            comparison=name,
-            replicates=options.heldout_replicates,
-            reps=options.replay_reps,
-            seed=point.seed,
-            method=method,
+        acc, failure, tag, common = _validation_comparison(
+            backend, point, options, rec, name, shape, routing, [chosen, *extra], method
         )
         corr = backend.check(shape, routing.ids, chosen, seed=options.check_seed)
-        common: dict[str, Any] = {
-            "comparison": name,
-            "margin": options.verify_margin,
-            "order_seed": oseed,
-        }
-        tag = f"{point.run_prefix}-{name}"
-        for j, rid in enumerate([f"{tag}-base", f"{tag}-ctl-a", f"{tag}-ctl-b"]):
-            _record_final(
-                rec,
-                base,
-                "baseline" if j == 0 else "control",
-                acc[j],
-                failure.get(j),
-                routing,
-                None,
-                rid,
-                "replay",
-                shape=shape,
-                **common,
-            )
         _record_final(
             rec,
             chosen,
@@ -824,6 +794,46 @@ def validate(
             **common,
         )
         _record_peers(rec, backend, options, shape, routing, extra, acc, failure, tag, common)
+
+
+def _validation_comparison(
+    backend: Backend,
+    point: PointInput,
+    options: SearchOptions,
+    rec: _Recorder,
+    name: str,
+    shape: MoEShape,
+    routing: RoutingInput,
+    arms: Sequence[KernelConfig],
+    method: str,
+) -> tuple[list[list[float]], dict[int, Timing], str, dict[str, Any]]:
+    """Time FlagGems' choice, its two copies and ``arms`` interleaved on one validation
+    instance and record the three copies; returns the samples, failures, run-id tag and the
+    common fields for the caller to record ``arms`` (lineup positions from ``COPIES`` on)."""
+    base = backend.baseline_config(shape)
+    acc, failure, oseed = timed_comparison(
+        backend,
+        shape,
+        routing,
+        [*([base] * COPIES), *arms],
+        comparison=name,
+        replicates=options.heldout_replicates,
+        reps=options.replay_reps,
+        seed=point.seed,
+        method=method,
+    )
+    common: dict[str, Any] = {
+        "comparison": name,
+        "margin": options.verify_margin,
+        "order_seed": oseed,
+    }
+    tag = f"{point.run_prefix}-{name}"
+    for j, rid in enumerate([f"{tag}-base", f"{tag}-ctl-a", f"{tag}-ctl-b"]):
+        _record_final(
+            rec, base, "baseline" if j == 0 else "control", acc[j], failure.get(j), routing,
+            None, rid, "replay", shape=shape, **common,
+        )  # fmt: skip
+    return acc, failure, tag, common
 
 
 def _record_peers(
@@ -870,29 +880,9 @@ def _validate_parity(
     """The held-out comparisons of a point whose replay chose nothing: FlagGems' choice and its
     copies against the parity row (``mxdb.pointverdict`` rule 2)."""
     for name, shape, routing in comps:
-        base = backend.baseline_config(shape)
-        acc, failure, oseed = timed_comparison(
-            backend,
-            shape,
-            routing,
-            [*([base] * COPIES), parity],
-            comparison=name,
-            replicates=options.heldout_replicates,
-            reps=options.replay_reps,
-            seed=point.seed,
-            method=method,
+        acc, failure, tag, common = _validation_comparison(
+            backend, point, options, rec, name, shape, routing, [parity], method
         )
-        common: dict[str, Any] = {
-            "comparison": name,
-            "margin": options.verify_margin,
-            "order_seed": oseed,
-        }
-        tag = f"{point.run_prefix}-{name}"
-        for j, rid in enumerate([f"{tag}-base", f"{tag}-ctl-a", f"{tag}-ctl-b"]):
-            _record_final(
-                rec, base, "baseline" if j == 0 else "control", acc[j], failure.get(j), routing,
-                None, rid, "replay", shape=shape, **common,
-            )  # fmt: skip
         _record_peers(
             rec, backend, options, shape, routing, [parity], acc, failure, tag, common, COPIES
         )
