@@ -417,3 +417,29 @@ def test_a_peer_row_at_parity_is_stored_dispatched_and_audited(tmp_path: Path) -
     write_manifest(Path(bundle), bundle_id=Path(bundle).name, milestone="t")
     checks = {f.check for f in audit_bundle(Path(bundle)).findings}
     assert "store_export.missing_config" in checks or "store_export.unbacked_entry" in checks
+
+
+def test_parity_records_shared_by_routing_sources_audit_clean_together(tmp_path: Path) -> None:
+    """At M=1 the uniform and hot sources fall in one class: both points decide the same parity
+    record, the store keeps one row, and each bundle exports it; audited together, the bundle
+    whose runs back it resolves the other's (as it must for verified and baseline entries)."""
+    import shutil
+
+    from mxdb.audit import audit_paths
+
+    table = (
+        Path(__file__).parent / "data" / "vllm_configs" / "E=128,N=768,device_name=NVIDIA_H200.json"
+    )
+    vdir = tmp_path / "vllm"
+    vdir.mkdir()
+    shutil.copy(table, vdir / table.name)
+    url = f"sqlite:///{tmp_path / 'p.sqlite'}"
+    assert CliRunner().invoke(cli, ["import", "vllm", str(vdir), "--db", url]).exit_code == 0
+    peer = KernelConfig.uniform(GemmConfig.from_triton(json.loads(table.read_text())["1"]))
+    wl = _wl(tokens=[1], routings=[{"kind": "uniform"}, {"kind": "hot", "fraction": 0.5}])
+    rep = tune(
+        wl, store_url=url, out_dir=tmp_path / "ev",
+        backend_factory=functools.partial(_TieWithPeer, peer.hash), progress=False,
+    )  # fmt: skip
+    assert len(rep.bundles) == 2 and rep.parity_keys >= 1
+    assert audit_paths([tmp_path / "ev"]).findings == ()
