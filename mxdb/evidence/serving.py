@@ -879,6 +879,7 @@ def _kv(d: Mapping[str, Any] | None) -> str:
     """A mapping as ``k v, ...`` in key order (the report does not depend on key order)."""
     if d is None:
         return "-"
+
     def text(v: Any) -> str:
         if isinstance(v, Mapping):
             return "{" + ", ".join(f"{k}: {text(v[k])}" for k in sorted(v)) + "}"
