@@ -124,6 +124,11 @@ class Entry(BaseModel):
         description="held-out comparisons behind the entry: routing instances of its class and "
         "neighbouring token counts, each with its verdict (mxdb.verdict)",
     )
+    #: Kept by the store only: not serialized, so the store export (``mxdb.store-export``
+    #: 1.2, which holds entries) is unchanged.  A superseding tune of the key takes the row.
+    job: str | None = Field(
+        default=None, exclude=True, description="the tuning job that wrote (or last decided) it"
+    )
     created_at: datetime = Field(default_factory=utcnow)
 
 
@@ -168,4 +173,5 @@ class Measurement(BaseModel):
     order_seed: int | None = Field(
         default=None, description="seed of the comparison's randomized order per round"
     )
+    job: str | None = Field(default=None, description="the tuning job that measured it")
     created_at: datetime = Field(default_factory=utcnow)

@@ -147,7 +147,7 @@ def test_db_info(seeded: tuple[str, Path]) -> None:
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
     assert info["entries"] == 3 and info["entries_by_status"] == {"verified": 3}
-    assert info["revision"] == "0005" and info["dialect"] == "sqlite"
+    assert info["revision"] == "0006" and info["dialect"] == "sqlite"
 
 
 def test_mxdb_db_variable_is_the_default_store(seeded: tuple[str, Path]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -283,3 +284,36 @@ def test_count_entries_by_status(store: Store) -> None:
     assert store.count_entries() == {"verified": 2, "stale": 1}
     assert store.count_entries(status="verified") == {"verified": 2}
     assert store.count_entries(op="no_such_op") == {}
+
+
+def test_job_round_trips_and_stays_out_of_the_export(store: Store) -> None:
+    """The job column: written, read, filtered on; a superseding point's job takes the row;
+    the store export (mxdb.store-export 1.3) does not carry it."""
+    from mxdb.interop.export import StoreExport, build_export
+
+    def entry(tokens: int = 16, **kw: Any) -> Entry:  # no fingerprint: the export needs none
+        return globals()["entry"](tokens, fingerprint_hash=None, **kw)
+
+    [eid] = store.add_entries([entry(job="job-a")])
+    store.add_entries([entry(tokens=32)])
+    store.add_measurements([measurement("r1", job="job-a"), measurement("r2")])
+    assert store.get_entry(eid).job == "job-a"
+    assert [e.id for e in store.entries(job="job-a")] == [eid]
+    assert {m.run_id: m.job for m in store.measurements()} == {"r1": "job-a", "r2": None}
+    assert [m.run_id for m in store.measurements(job="job-a")] == ["r1"]
+    assert store.entries(job="job-b") == [] and store.measurements(job="job-b") == []
+    # add_entries keeps a stored row as it is; complete_point's supersede gives it the new job
+    assert store.add_entries([entry(job="job-b")]) == [eid]
+    assert store.get_entry(eid).job == "job-a"
+    store.add_points("job-b", [("k", {})])
+    claim = store.claim_point("job-b", "w")
+    assert claim is not None
+    assert store.complete_point(claim, entries=[entry(job="job-b", speedup=1.5)])
+    again = store.get_entry(eid)
+    assert (again.job, again.speedup) == ("job-b", 1.5)
+    # the export holds no job, and a document read back names none
+    doc = build_export(store)
+    assert {e.job for e in doc.entries} == {"job-b", None}
+    data = json.loads(doc.to_json())
+    assert data["schema_version"] == "1.3" and all("job" not in e for e in data["entries"])
+    assert [e.job for e in StoreExport.model_validate(data).entries] == [None, None]

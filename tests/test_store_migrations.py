@@ -48,7 +48,7 @@ def test_head_schema_matches_the_table_definitions(db_url: str) -> None:
             )
     finally:
         engine.dispose()
-    assert head_revision() == "0005"
+    assert head_revision() == "0006"
 
 
 def test_upgrade_from_0001_preserves_data(db_url: str) -> None:
@@ -138,7 +138,7 @@ def test_schema_too_new_refuses_and_changes_nothing(db_url: str) -> None:
     with pytest.raises(SchemaTooNewError) as info:
         Store.open(db_url)
     msg = str(info.value)
-    assert "schema revision 9999_future, newer than this mxdb knows (head 0005)" in msg
+    assert "schema revision 9999_future, newer than this mxdb knows (head 0006)" in msg
     assert "pip install -U mxdb" in msg and "--db" in msg
     assert "database at " in msg
     engine = _engine(db_url)
@@ -207,3 +207,124 @@ def test_empty_file_is_a_new_database(tmp_path: Path) -> None:
     with Store.open(str(path)) as store:
         assert store.generation() == 0
     assert json.dumps(path.stat().st_size > 0) == "true"
+
+
+def _tag(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:8]
+
+
+def test_upgrade_to_0006_backfills_the_job_column(db_url: str) -> None:
+    """Rows at 0005 get the job their run id (measurements) or evidence (entries) names by the
+    tuner's prefix convention, when exactly one job in work_points has that prefix."""
+    upgrade(db_url, "0005")
+    job_a, job_b = "wl-aaaa-ffff", "wl-bbbb-ffff"
+    key_a, key_b = "E8-H1-I1-k2:4:bf16:uniform", "E8-H1-I1-k2:8:bf16:uniform"
+    pa = f"{_tag(job_a)}-{_tag(key_a)}-"
+    pb = f"{_tag(job_b)}-{_tag(key_b)}-"
+    other_key = f"{_tag(job_a)}-{_tag('no such point')}-"  # job A's tag, a key it lacks
+    unknown = f"{_tag('a job with no points')}-{_tag(key_a)}-"
+    measurement = (
+        "INSERT INTO measurements (run_id, op, dtype, family, dims, tokens, routing_class,"
+        " config, config_hash, role, fidelity, status, samples_us, created_at) VALUES"
+        " (:rid, 'fused_moe', 'bf16', 'E8-H1-I1-k2', '{}', 4, 'uniform', '{}', 'c', 'candidate',"
+        " 'replay', 'ok', '[]', '2024-01-02 03:04:05')"
+    )
+    entry = (
+        "INSERT INTO entries (op, dtype, family, dims, tokens, routing_class, config,"
+        " config_hash, status, source, evidence, created_at) VALUES"
+        " ('fused_moe', 'bf16', 'E8-H1-I1-k2', '{\"tokens\": 4}', 4, 'uniform', '{}', :c,"
+        " 'verified', :src, :ev, '2024-01-02 03:04:05')"
+    )
+    point = (
+        "INSERT INTO work_points (job, key, payload, state, attempts, updated_at) VALUES"
+        " (:job, :key, '{}', 'done', 1, '2024-01-02 03:04:05')"
+    )
+    engine = _engine(db_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(text(point), [{"job": job_a, "key": key_a}, {"job": job_b, "key": key_b}])
+            conn.execute(
+                text(measurement),
+                [
+                    {"rid": pa + "0a0b0c-c00001"},
+                    {"rid": pb + "0d0e0f-c00001"},
+                    {"rid": other_key + "0a0b0c-c00002"},
+                    {"rid": unknown + "0a0b0c-c00003"},
+                    {"rid": "hand-written-run"},
+                ],
+            )
+            conn.execute(
+                text(entry),
+                [
+                    {"c": "c1", "src": "tune", "ev": pa + "0a0b0c-c00001"},
+                    {"c": "c2", "src": "tune", "ev": pb + "0d0e0f-c00001"},
+                    {"c": "c3", "src": "tune", "ev": unknown + "0a0b0c-c00003"},
+                    {"c": "c4", "src": "vllm", "ev": None},
+                    {"c": "c5", "src": "mxdb-import", "ev": "evidence/some-bundle"},
+                ],
+            )
+    finally:
+        engine.dispose()
+
+    with Store.open(db_url) as store:
+        jobs = {m.run_id: m.job for m in store.measurements()}
+        assert jobs == {
+            pa + "0a0b0c-c00001": job_a,
+            pb + "0d0e0f-c00001": job_b,
+            other_key + "0a0b0c-c00002": None,
+            unknown + "0a0b0c-c00003": None,
+            "hand-written-run": None,
+        }
+        assert {e.config_hash: e.job for e in store.entries()} == {
+            "c1": job_a,
+            "c2": job_b,
+            "c3": None,
+            "c4": None,
+            "c5": None,
+        }
+        assert [m.run_id for m in store.measurements(job=job_a)] == [pa + "0a0b0c-c00001"]
+        assert [e.config_hash for e in store.entries(job=job_b)] == ["c2"]
+    engine = _engine(db_url)
+    try:
+        assert "ix_entries_job" in _index_names(engine, "entries")
+        assert "ix_measurements_job" in _index_names(engine, "measurements")
+        # 0004's expression index survives the upgrade
+        assert "uq_entries_natural_key_device" in _index_names(engine, "entries")
+    finally:
+        engine.dispose()
+
+
+def test_upgrade_to_0006_leaves_colliding_job_tags_unclaimed(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two jobs whose tags collide: neither claims a row by prefix (ambiguous)."""
+    from mxdb.store.migrate import script_directory
+
+    # the module Alembic runs (it loads the script itself)
+    migration = script_directory().get_revision("0006").module
+    monkeypatch.setattr(migration, "_tag", lambda s: "00000000")
+    upgrade(db_url, "0005")
+    engine = _engine(db_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(
+                text(
+                    "INSERT INTO work_points (job, key, payload, state, attempts, updated_at)"
+                    " VALUES (:job, 'k', '{}', 'done', 1, '2024-01-02 03:04:05')"
+                ),
+                [{"job": "job-1"}, {"job": "job-2"}],
+            )
+            conn.execute(
+                text(
+                    "INSERT INTO measurements (run_id, op, dtype, family, dims, tokens,"
+                    " routing_class, config, config_hash, role, fidelity, status, samples_us,"
+                    " created_at) VALUES ('00000000-00000000-0a0b0c-c1', 'fused_moe', 'bf16',"
+                    " 'E8-H1-I1-k2', '{}', 4, 'uniform', '{}', 'c', 'candidate', 'replay', 'ok',"
+                    " '[]', '2024-01-02 03:04:05')"
+                )
+            )
+    finally:
+        engine.dispose()
+    with Store.open(db_url) as store:
+        [m] = store.measurements()
+        assert m.job is None

@@ -443,3 +443,53 @@ def test_parity_records_shared_by_routing_sources_audit_clean_together(tmp_path:
     )  # fmt: skip
     assert len(rep.bundles) == 2 and rep.parity_keys >= 1
     assert audit_paths([tmp_path / "ev"]).findings == ()
+
+
+def test_rows_carry_their_job_and_bundles_hold_exactly_the_jobs_runs(
+    db_url: str, tmp_path: Path
+) -> None:
+    """Every entry and measurement the tuner writes names its job (the store's job column),
+    and a job's bundle is assembled from its rows alone: another job's rows that share its
+    keys, or even its run-id and evidence prefixes, are not in it."""
+    from mxdb.tune.runner import _job_entries, build_points, write_bundles
+
+    one = _wl(tokens=[64], routings=[{"kind": "uniform"}], seed=0)
+    two = _wl(tokens=[64], routings=[{"kind": "uniform"}], seed=1)  # same key, another job
+    fp = FakeBackend().fingerprint()
+    rep_a = tune(one, store_url=db_url, out_dir=tmp_path / "a", backend_factory=FakeBackend,
+                 progress=False)  # fmt: skip
+    rep_b = tune(two, store_url=db_url, out_dir=tmp_path / "b", backend_factory=FakeBackend,
+                 progress=False)  # fmt: skip
+    job_a, job_b = rep_a.job, rep_b.job
+    assert job_a != job_b and job_a == job_name(one, fp)
+    with Store.open(db_url) as store:
+        ms = store.measurements()
+        assert ms and {m.job for m in ms} == {job_a, job_b}
+        assert all(m.run_id.startswith(m.point) for m in ms if m.point)
+        tuned = store.entries()
+        assert tuned and all(e.job in (job_a, job_b) for e in tuned)
+        own_a = {m.run_id for m in store.measurements(job=job_a)}
+        entries_a = _job_entries(store, job_a, fp.hash)
+        assert entries_a and all(e.job == job_a for e in entries_a)
+        # rows of job B that look like job A's by every prefix: its run ids and evidence
+        forged = [
+            m.model_copy(update={"id": None, "run_id": m.run_id + "-b", "job": job_b})
+            for m in store.measurements(job=job_a)
+        ]
+        store.add_measurements(forged)
+        store.add_entries(
+            [
+                e.model_copy(update={"id": None, "device_name": "elsewhere", "job": job_b})
+                for e in entries_a
+            ]
+        )
+        assert [e.id for e in _job_entries(store, job_a, fp.hash)] == [e.id for e in entries_a]
+        paths = write_bundles(
+            store, job_a, one, fp, build_points(one), entries_a, tmp_path / "again"
+        )
+    [bundle] = paths
+    assert not audit_bundle(bundle).findings
+    runs = {p.stem for p in (bundle / "runs").glob("*.json")}
+    assert runs and runs <= own_a
+    first = {p.stem for p in (Path(rep_a.bundles[0]) / "runs").glob("*.json")}
+    assert runs == first

@@ -103,6 +103,7 @@ entries = Table(
     Column("stale_reason", Text, nullable=True),
     Column("confidence", Float, nullable=True),
     Column("validation", Text, nullable=True),
+    Column("job", String(128), nullable=True),
     Column("created_at", UTCDateTime, nullable=False),
 )
 # The dispatcher's lookup of a family: a covering index (no config text), revision 0003.
@@ -140,6 +141,8 @@ Index(
     unique=True,
 )
 Index("ix_entries_fingerprint_hash", entries.c.fingerprint_hash)
+# Every row of one tuning job (revision 0006).
+Index("ix_entries_job", entries.c.job)
 
 measurements = Table(
     "measurements",
@@ -171,6 +174,7 @@ measurements = Table(
     Column("comparison", String(64), nullable=True),
     Column("margin", Float, nullable=True),
     Column("order_seed", BigInteger, nullable=True),
+    Column("job", String(128), nullable=True),
     Column("created_at", UTCDateTime, nullable=False),
 )
 Index(
@@ -179,6 +183,7 @@ Index(
     measurements.c.family,
     measurements.c.tokens,
 )
+Index("ix_measurements_job", measurements.c.job)
 
 work_points = Table(
     "work_points",

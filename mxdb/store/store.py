@@ -112,6 +112,7 @@ _NATURAL_KEY = (
 
 def _entry_values(entry: Entry) -> dict[str, Any]:
     data = entry.model_dump(exclude={"id"})
+    data["job"] = entry.job  # not serialized (see Entry.job), but stored
     data["dims"] = _dumps(data["dims"])
     data["config"] = _dumps(data["config"])
     data["validation"] = None if data["validation"] is None else _dumps(data["validation"])
@@ -164,6 +165,7 @@ def _entry_conds(
     status: str | Sequence[str] | None,
     fingerprint_hash: str | None,
     source: str | None,
+    job: str | None = None,
 ) -> list[ColumnElement[bool]]:
     """The WHERE conditions of an entries filter (None means any)."""
     conds: list[ColumnElement[bool]] = []
@@ -173,6 +175,7 @@ def _entry_conds(
         (entries_t.c.family, family),
         (entries_t.c.fingerprint_hash, fingerprint_hash),
         (entries_t.c.source, source),
+        (entries_t.c.job, job),
     ):
         if value is not None:
             conds.append(column == value)
@@ -524,9 +527,10 @@ class Store:
         status: str | Sequence[str] | None = None,
         fingerprint_hash: str | None = None,
         source: str | None = None,
+        job: str | None = None,
     ) -> list[Entry]:
-        """Entries matching every given filter, by id."""
-        conds = _entry_conds(op, dtype, family, status, fingerprint_hash, source)
+        """Entries matching every given filter, by id (``job``: the tuning job's rows)."""
+        conds = _entry_conds(op, dtype, family, status, fingerprint_hash, source, job)
         with self._read("reading entries") as conn:
             rows = conn.execute(select(entries_t).where(*conds).order_by(entries_t.c.id)).all()
         return [_entry_from_row(r) for r in rows]
@@ -688,8 +692,9 @@ class Store:
         tokens: int | None = None,
         status: str | None = None,
         run_id: str | None = None,
+        job: str | None = None,
     ) -> list[Measurement]:
-        """Measurements matching every given filter, by id."""
+        """Measurements matching every given filter, by id (``job``: the tuning job's rows)."""
         conds: list[ColumnElement[bool]] = []
         for column, value in (
             (measurements_t.c.op, op),
@@ -697,6 +702,7 @@ class Store:
             (measurements_t.c.tokens, tokens),
             (measurements_t.c.status, status),
             (measurements_t.c.run_id, run_id),
+            (measurements_t.c.job, job),
         ):
             if value is not None:
                 conds.append(column == value)
@@ -816,8 +822,9 @@ class Store:
         """Write the point's results and mark it done, in one transaction.
 
         An entry whose natural key is already stored (an earlier tune decided the same key and
-        config) supersedes the stored row: its status, figures, validation and evidence become
-        this point's, so the row is backed by the measurements of the latest tune of the key.
+        config) supersedes the stored row: its status, figures, validation, evidence and job
+        become this point's, so the row is backed by the measurements of the latest tune of the
+        key (and belongs to that tune's job).
 
         ``rejections`` are ``(entry id, reason)`` of verified entries the point's measurements
         contradict: they become ``rejected`` in the same transaction.  Returns False, writing

@@ -433,8 +433,10 @@ def measure_point(
         fingerprint_hash=fingerprint_hash,
         device_name=backend.fingerprint().device_name,
     )
-    entries = [e for e in (entry, single) if e is not None]
-    return result.measurements, entries, rejections
+    # every row the point writes names its job (the store's job column)
+    entries = [e.model_copy(update={"job": job}) for e in (entry, single) if e is not None]
+    measurements = [m.model_copy(update={"job": job}) for m in result.measurements]
+    return measurements, entries, rejections
 
 
 def _dedup_configs(configs: Sequence[KernelConfig]) -> list[KernelConfig]:
@@ -627,28 +629,28 @@ class _Progress:
 
 
 def _job_measurements(store: Store, job: str, shape: MoEShape, key: str) -> list[Measurement]:
+    """The measurements of one point of ``job``: the job's rows (the store's job column) whose
+    run ids carry the point's tag."""
     prefix = f"{_job_tag(job)}-{_point_tag(key)}-"
     return [
         m
         # every token count: a point's tokens-M comparisons run at neighbouring counts
-        for m in store.measurements(op=shape.op, family=shape.family)
+        for m in store.measurements(op=shape.op, family=shape.family, job=job)
         if m.run_id.startswith(prefix) and m.dtype == shape.dtype
     ]
 
 
 def _job_entries(store: Store, job: str, fingerprint_hash: str) -> list[Entry]:
-    tag = _job_tag(job) + "-"
-    return [
-        e
+    """The entries ``job`` decided (the store's job column): a row a later job superseded
+    belongs to that job."""
+    return store.entries(
+        fingerprint_hash=fingerprint_hash,
+        source="tune",
         # rejected ones too: a later trace of the key contradicted them, but this job's own
         # bundle verified them and its store export says what became of them
-        for e in store.entries(
-            fingerprint_hash=fingerprint_hash,
-            source="tune",
-            status=["verified", "baseline", "parity", "rejected"],
-        )
-        if e.evidence and e.evidence.startswith(tag)
-    ]
+        status=["verified", "baseline", "parity", "rejected"],
+        job=job,
+    )
 
 
 _METHOD = {"graph": "cuda_graph_replay", "eager": "eager"}
