@@ -493,3 +493,50 @@ def test_rows_carry_their_job_and_bundles_hold_exactly_the_jobs_runs(
     assert runs and runs <= own_a
     first = {p.stem for p in (Path(rep_a.bundles[0]) / "runs").glob("*.json")}
     assert runs == first
+
+
+class _PeerSlower(_TieWithPeer):
+    """The same host, but the peer row 3% slower than FlagGems' choice: nothing beats or ties
+    with FlagGems' choice, so the key is a baseline record."""
+
+    def true_us(self, shape: MoEShape, counts: Any, cfg: KernelConfig) -> float:
+        t = super().true_us(shape, counts, cfg)
+        return t / 0.998 * 1.03 if cfg.hash == self.peer else t
+
+
+def test_a_later_tune_of_the_same_trace_supersedes_the_earlier_decision(tmp_path: Path) -> None:
+    """Tuned once (a baseline record), then again by another job replaying the same trace on a
+    host where vLLM's row ties with FlagGems' choice: the parity record answers the key and the
+    earlier baseline record is rejected, naming what superseded it."""
+    import shutil
+
+    from mxdb.dispatcher import Dispatcher
+
+    table = (
+        Path(__file__).parent / "data" / "vllm_configs" / "E=128,N=768,device_name=NVIDIA_H200.json"
+    )
+    vdir = tmp_path / "vllm"
+    vdir.mkdir()
+    shutil.copy(table, vdir / table.name)
+    url = f"sqlite:///{tmp_path / 's.sqlite'}"
+    assert CliRunner().invoke(cli, ["import", "vllm", str(vdir), "--db", url]).exit_code == 0
+    peer = KernelConfig.uniform(GemmConfig.from_triton(json.loads(table.read_text())["16"]))
+    first = _wl(tokens=[16], routings=[{"kind": "uniform"}])
+    rep1 = tune(first, store_url=url, out_dir=tmp_path / "a", progress=False,
+                backend_factory=functools.partial(_PeerSlower, peer.hash))  # fmt: skip
+    assert rep1.baseline_keys == 1
+    again = _wl(name="t-again", tokens=[16], routings=[{"kind": "uniform"}])
+    rep2 = tune(again, store_url=url, out_dir=tmp_path / "b", progress=False,
+                backend_factory=functools.partial(_TieWithPeer, peer.hash))  # fmt: skip
+    assert rep2.job != rep1.job and rep2.parity_keys == 1
+    with Store.open(url) as store:
+        rows = {e.status: e for e in store.entries(source="tune")}
+        assert set(rows) == {"parity", "rejected"}
+        assert rows["rejected"].stale_reason is not None
+        assert "superseded by a later tune of trace" in rows["rejected"].stale_reason
+        shape = MoEShape(128, 2048, 768, 8, 16, "bf16")
+        d = Dispatcher(store, _TieWithPeer(peer.hash).fingerprint()).dispatch(shape, "uniform")
+        assert (d.reason, d.config.hash) == ("peer_parity", peer.hash)
+    from mxdb.audit import audit_paths
+
+    assert audit_paths([tmp_path / "a", tmp_path / "b"]).findings == ()

@@ -128,10 +128,11 @@ def decisions(
     return out
 
 
-#: The exported statuses a decision allows: a verified entry may since have been rejected.
+#: The exported statuses a decision allows: an entry may since have been rejected (contradicted
+#: by another trace of its key, or superseded by a later tune of its own trace).
 ALLOWED = {
     "verified": ("verified", "rejected"),
-    "baseline": ("baseline",),
+    "baseline": ("baseline", "rejected"),
     "parity": ("parity", "rejected"),
 }
 

@@ -826,8 +826,9 @@ class Store:
         become this point's, so the row is backed by the measurements of the latest tune of the
         key (and belongs to that tune's job).
 
-        ``rejections`` are ``(entry id, reason)`` of verified entries the point's measurements
-        contradict: they become ``rejected`` in the same transaction.  Returns False, writing
+        ``rejections`` are ``(entry id, reason)`` of dispatchable entries (verified, baseline or
+        parity) the point's measurements contradict or supersede: they become ``rejected`` in
+        the same transaction.  Returns False, writing
         nothing, if the claim was lost (another worker took the point after the lease expired,
         or it is done).  A claim whose lease expired but that nobody took yet still completes.
         """
@@ -848,7 +849,10 @@ class Store:
             for entry_id, reason in rejections:
                 conn.execute(
                     update(entries_t)
-                    .where(entries_t.c.id == int(entry_id), entries_t.c.status == "verified")
+                    .where(
+                        entries_t.c.id == int(entry_id),
+                        entries_t.c.status.in_(("verified", "baseline", "parity")),
+                    )
                     .values(status="rejected", stale_reason=reason)
                 )
             conn.execute(

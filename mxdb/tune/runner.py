@@ -424,6 +424,7 @@ def measure_point(
         device_name=backend.fingerprint().device_name,
     )
     rejections = contradicted(result, incumbents, replay.trace_hash)
+    rejections += superseded(store, entry, replay.trace_hash)
     # a split winner cannot go into vLLM's or FlagGems' tables: keep the best single config
     # measured beside it for their exports (status imported: never dispatched)
     single = single_record(
@@ -457,6 +458,42 @@ def _incumbents(
     ):
         if e.tokens == shape.tokens and e.routing_class == routing_class and e.id is not None:
             out[e.id] = KernelConfig.parse(e.config)
+    return out
+
+
+def superseded(store: Store, entry: Entry | None, trace_hash: str) -> list[tuple[int, str]]:
+    """Earlier tunes' decisions for the same key *and trace* with another config.
+
+    A point tuned again (a later job replaying the same trace, e.g. under a newer decision
+    rule) decides its key afresh: the rows an earlier tune stored for that trace with another
+    config (a baseline record replaced by a parity record, a verified config by another) are
+    returned for rejection, so the key answers the latest tune of its trace.  Rows of other
+    traces of the key (another routing source falling in the same class) stay.
+    """
+    if entry is None:
+        return []
+    out = []
+    for e in store.entries(
+        op=entry.op,
+        dtype=entry.dtype,
+        family=entry.family,
+        fingerprint_hash=entry.fingerprint_hash,
+        source="tune",
+        status=["verified", "baseline", "parity"],
+    ):
+        if (
+            e.id is None
+            or e.tokens != entry.tokens
+            or e.routing_class != entry.routing_class
+            or e.device_name != entry.device_name
+            or e.config_hash == entry.config_hash
+            or not e.evidence
+        ):
+            continue
+        ms = store.measurements(run_id=e.evidence)
+        if ms and ms[0].trace_hash == trace_hash:
+            why = f"superseded by a later tune of trace {trace_hash}: "
+            out.append((e.id, why + f"{entry.status} {entry.config_hash}"))
     return out
 
 
