@@ -56,9 +56,10 @@ steps:
   baselines calibrated in situ), its transitions, and the tokens/s of the last chunks (healed);
 * the overhead ladder: no injection, routing monitor and healing samples off / every 4096 /
   64 / 4 calls, ``--ladder-reps`` repetitions (plus one to warm up) with the rungs in an order
-  shuffled per repetition, each window ``--ladder-steps`` steps (default: enough that the
-  key's calls in the warm-up steps and the window reach 4096, so the sparsest rung samples
-  once per window).
+  shuffled per repetition, each window ``--ladder-steps`` steps (default ``--context``: one
+  sequence).  One hook per rung is kept for the whole ladder (``install_hook``), so its call
+  count goes on across its windows and the rung sampling every 4096 calls samples as it would
+  in serving (every 4th window at 8 layers and 128 steps), not never.
 
 Raw results go to OUT_DIR/healing.json after every phase.
 

@@ -174,4 +174,7 @@ class Measurement(BaseModel):
         default=None, description="seed of the comparison's randomized order per round"
     )
     job: str | None = Field(default=None, description="the tuning job that measured it")
+    decision_rule: int | None = Field(
+        default=None, ge=1, description="the mxdb.pointverdict rule its point was decided by"
+    )
     created_at: datetime = Field(default_factory=utcnow)

@@ -252,7 +252,7 @@ def _parity(
         pooled_row += list(arm.samples)
         if name != "replay":
             at_least_even += v.speedup >= 1.0
-            validation.append(_record(name, arm, v, True))
+            validation.append(_record(name, arm, v, v.speedup >= 1.0))
     pooled = verdict.compare(pooled_copies, pooled_row, margin=row.margin)
     if pooled.speedup is None or not pooled.speedup > 1.0:
         return None

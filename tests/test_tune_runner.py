@@ -540,3 +540,27 @@ def test_a_later_tune_of_the_same_trace_supersedes_the_earlier_decision(tmp_path
     from mxdb.audit import audit_paths
 
     assert audit_paths([tmp_path / "a", tmp_path / "b"]).findings == ()
+
+
+def test_a_later_job_deciding_a_stored_key_and_config_exports_that_row(tmp_path: Path) -> None:
+    """Two jobs, two traces of one key, the same winner: the store keeps the first job's row,
+    and the second job's bundle exports it too (its decision is in its export), backed by the
+    first job's bundle when both are audited."""
+    from mxdb.audit import audit_paths
+
+    url = f"sqlite:///{tmp_path / 's.sqlite'}"
+    one = _wl(tokens=[64], routings=[{"kind": "uniform"}], seed=0)
+    two = _wl(tokens=[64], routings=[{"kind": "uniform"}], seed=1)
+    rep_a = tune(one, store_url=url, out_dir=tmp_path / "ev", backend_factory=FakeBackend,
+                 progress=False)  # fmt: skip
+    rep_b = tune(two, store_url=url, out_dir=tmp_path / "ev", backend_factory=FakeBackend,
+                 progress=False)  # fmt: skip
+    with Store.open(url) as store:
+        rows = store.entries(source="tune", status="verified")
+    assert len(rows) == 1 and rows[0].job == rep_a.job
+    (bundle_b,) = rep_b.bundles
+    exported = json.loads((Path(bundle_b) / "store_export.json").read_text())["entries"]
+    assert [e["config_hash"] for e in exported if e["status"] == "verified"] == [
+        rows[0].config_hash
+    ]
+    assert audit_paths([tmp_path / "ev"]).findings == ()

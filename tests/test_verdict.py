@@ -208,7 +208,8 @@ def test_rule_2_answers_a_peer_row_at_parity() -> None:
     assert d.status == "parity" and d.config_hash == "P" and d.evidence == "replay-fin02"
     assert d.speedup is not None and 1.0 < d.speedup < 1.005
     assert [v["comparison"] for v in d.validation] == ["heldout-1", "heldout-2", "heldout-3"]
-    assert all(v["won"] for v in d.validation) and d.confidence == pytest.approx(2 / 3)
+    # won: at least as fast as FlagGems' choice on that instance (not slower on any of them)
+    assert sum(v["won"] for v in d.validation) == 2 and d.confidence == pytest.approx(2 / 3)
     assert "held-out" in d.reason
 
 

@@ -96,10 +96,16 @@ def check_store_export(
 
 
 def decision_rule(runs: Iterable[Mapping[str, Any]]) -> int:
-    """The point decision rule a point's runs were written under: run schema 1.2 is rule 2
-    (the parity record), earlier versions rule 1.  Mixed versions take the lower rule."""
-    versions = {str(r.get("schema_version")) for r in runs}
-    return 1 if versions - {"1.2"} else 2
+    """The point decision rule a point's runs were written under: run schema 1.2 and later is
+    rule 2 (the parity record), earlier versions rule 1.  Mixed versions take the lower rule."""
+
+    def version(r: Mapping[str, Any]) -> tuple[int, ...]:
+        try:
+            return tuple(int(x) for x in str(r.get("schema_version")).split("."))
+        except ValueError:
+            return (0,)
+
+    return 2 if all(version(r) >= (1, 2) for r in runs) else 1
 
 
 def decisions(

@@ -131,14 +131,14 @@ DEFINITIONS_1_1: dict[str, str] = {
     "ladder_paired_overhead": "per rung: 1 - median over repetitions of rung_r / off_r (the "
     "rungs' order within a repetition is in ladder_orders)",
     "ladder_healing_samples_in_window": "per rung: the healing samples the timed windows hold; "
-    "ladder_persistent: over all kept windows, floor((reps + 1) * ladder_steps * layers / N) - "
-    "floor(ladder_steps * layers / N) (one hook per rung, its count going on across its windows, "
-    "the first repetition not kept); otherwise per window, as in 1.0 with ladder_steps for "
+    "ladder_persistent: summed over the kept windows r = 1..reps, floor(b_r * layers / N) - "
+    "floor(a_r * layers / N) with a_r = r * (warm_steps + ladder_steps) + warm_steps and b_r = "
+    "(r + 1) * (warm_steps + ladder_steps) (one hook per rung, its count going on across its "
+    "windows, repetition 0 not kept); otherwise per window, as in 1.0 with ladder_steps for "
     "steps/2",
     "ladder_monitor_copies_in_window": "per rung: the routing-monitor copies the timed windows "
-    "hold; ladder_persistent: over all kept windows, layers * (floor((reps + 1) * ladder_steps / "
-    "N) - floor(ladder_steps / N)); otherwise per window, as in 1.0 with ladder_steps for "
-    "steps/2",
+    "hold; ladder_persistent: layers * the sum over the kept windows of floor(b_r / N) - "
+    "floor(a_r / N); otherwise per window, as in 1.0 with ladder_steps for steps/2",
 }
 
 
@@ -565,16 +565,24 @@ def healing_figures(
     warm = int(setup["warm_steps"])
     window = int(setup.get("ladder_steps") or int(setup["steps"]) // 2)
     end = warm + window
-    if setup.get("ladder_persistent"):
-        # one hook per rung for the whole ladder: its count goes on over its windows, and the
-        # first repetition (which warms up) is not kept
-        warm, end = window, (int(setup["ladder_reps"]) + 1) * window
     samples_in: dict[str, int] = {}
     copies_in: dict[str, int] = {}
-    for k in ladder:
-        every = 0 if k == "off" else int(k)
-        samples_in[k] = (end * layers // every - warm * layers // every) if every else 0
-        copies_in[k] = layers * (end // every - warm // every) if every else 0
+    if setup.get("ladder_persistent"):
+        # one hook per rung for the whole ladder: its count goes on over its windows (each
+        # after its warm-up steps), and the first repetition (which warms up) is not kept
+        per = warm + window
+        spans = [(r * per + warm, (r + 1) * per) for r in range(1, int(setup["ladder_reps"]) + 1)]
+        for k in ladder:
+            every = 0 if k == "off" else int(k)
+            samples_in[k] = (
+                sum(b * layers // every - a * layers // every for a, b in spans) if every else 0
+            )
+            copies_in[k] = layers * sum(b // every - a // every for a, b in spans) if every else 0
+    else:
+        for k in ladder:
+            every = 0 if k == "off" else int(k)
+            samples_in[k] = (end * layers // every - warm * layers // every) if every else 0
+            copies_in[k] = layers * (end // every - warm // every) if every else 0
     active = 0
     for t in transitions:
         if t["kind"] in ("demote", "recover", "exhausted"):

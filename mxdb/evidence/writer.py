@@ -180,8 +180,12 @@ class BundleWriter:
         comparison: str | None = None,
         margin: float | None = None,
         order_seed: int | None = None,
+        schema_version: str | None = None,
     ) -> RunRecord:
-        """Build a run from raw measurements (figures computed here) and add it."""
+        """Build a run from raw measurements (figures computed here) and add it.
+
+        ``schema_version`` defaults to the newest; a tuner's run of a point decided by
+        ``mxdb.pointverdict`` rule 1 is written as 1.1 (the version names the rule)."""
         cfg = config.model_dump() if isinstance(config, KernelConfig) else dict(config)
         measured_correctness = max_abs_err is not None or rel_err is not None
         try:
@@ -214,6 +218,7 @@ class BundleWriter:
                 comparison=comparison,
                 margin=margin,
                 order_seed=order_seed,
+                **({"schema_version": schema_version} if schema_version else {}),
             )
         except ValidationError as exc:
             raise EvidenceError(f"run {run_id!r} is malformed: {exc}") from None

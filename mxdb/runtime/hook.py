@@ -693,7 +693,10 @@ class Hook:
             cands = [decision]
         # FlagGems' own choice is always the last candidate: when every config the store
         # offers has degraded, healing falls back to it before giving up on the key.
-        safe = self.safe_config(shape)
+        try:
+            safe = self.safe_config(shape)
+        except Exception:  # a caller's safe_config that fails: no safe candidate, no crash
+            safe = None
         if safe is not None and all(getattr(d.config, "hash", None) != safe.hash for d in cands):
             cands.append(
                 Decision(config=safe, level=FALLBACK, confidence=0.0, reason="healing_fallback")

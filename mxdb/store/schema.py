@@ -175,6 +175,7 @@ measurements = Table(
     Column("margin", Float, nullable=True),
     Column("order_seed", BigInteger, nullable=True),
     Column("job", String(128), nullable=True),
+    Column("decision_rule", Integer, nullable=True),
     Column("created_at", UTCDateTime, nullable=False),
 )
 Index(

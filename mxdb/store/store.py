@@ -456,27 +456,14 @@ class Store:
     def _bump(self, conn: Connection) -> None:
         conn.execute(_BUMP_GENERATION)
 
-    def _add_entries(
-        self, conn: Connection, entries: Sequence[Entry], *, supersede: bool = False
-    ) -> list[int]:
+    def _add_entries(self, conn: Connection, entries: Sequence[Entry]) -> list[int]:
         if not entries:
             return []
         # First statement of the transaction: on PostgreSQL, the generation row lock
         # serializes writers of entries in one order, so they cannot deadlock.
         self._bump(conn)
         values = [_entry_values(e) for e in entries]
-        ins = self._insert(entries_t)
-        keys = [c.name for c in _NATURAL_KEY]
-        if supersede:
-            # A tune's newer decision for a stored key (same config) replaces the row's status,
-            # figures and evidence: the row then points at the measurements that decided it.
-            changed = [k for k in values[0] if k not in keys and k != "created_at"]
-            stmt = ins.on_conflict_do_update(
-                index_elements=list(_NATURAL_KEY),
-                set_={k: getattr(ins.excluded, k) for k in changed},
-            )
-        else:
-            stmt = ins.on_conflict_do_nothing(index_elements=list(_NATURAL_KEY))
+        stmt = self._insert(entries_t).on_conflict_do_nothing(index_elements=list(_NATURAL_KEY))
         conn.execute(stmt, values)
         # Ids of new and pre-existing rows alike, by natural key.
         ids: dict[tuple[Any, ...], int] = {}
@@ -821,10 +808,10 @@ class Store:
     ) -> bool:
         """Write the point's results and mark it done, in one transaction.
 
-        An entry whose natural key is already stored (an earlier tune decided the same key and
-        config) supersedes the stored row: its status, figures, validation, evidence and job
-        become this point's, so the row is backed by the measurements of the latest tune of the
-        key (and belongs to that tune's job).
+        An entry whose natural key is already stored (another point decided the same key and
+        config: another trace, another job) is not written again: the stored row, with the
+        evidence of the point that first decided it, stands for both (``mxdb.tune.runner``
+        exports it in the bundles of every point that decided it).
 
         ``rejections`` are ``(entry id, reason)`` of dispatchable entries (verified, baseline or
         parity) the point's measurements contradict or supersede: they become ``rejected`` in
@@ -843,7 +830,7 @@ class Store:
             if held is None:
                 return False
             self._add_measurements(conn, measurements)
-            self._add_entries(conn, entries, supersede=True)
+            self._add_entries(conn, entries)
             if rejections:
                 self._bump(conn)
             for entry_id, reason in rejections:

@@ -447,13 +447,14 @@ def _dedup_configs(configs: Sequence[KernelConfig]) -> list[KernelConfig]:
 def _incumbents(
     store: Store, shape: MoEShape, routing_class: str, fingerprint_hash: str
 ) -> dict[int, KernelConfig]:
-    """Verified configs stored at this key (any trace), by entry id."""
+    """Verified and parity configs stored at this key (any trace), by entry id: each is timed
+    on this point's replay and rejected if slower than FlagGems' choice there."""
     out: dict[int, KernelConfig] = {}
     for e in store.entries(
         op=shape.op,
         dtype=shape.dtype,
         family=shape.family,
-        status="verified",
+        status=["verified", "parity"],
         fingerprint_hash=fingerprint_hash,
     ):
         if e.tokens == shape.tokens and e.routing_class == routing_class and e.id is not None:
@@ -467,10 +468,23 @@ def superseded(store: Store, entry: Entry | None, trace_hash: str) -> list[tuple
     A point tuned again (a later job replaying the same trace, e.g. under a newer decision
     rule) decides its key afresh: the rows an earlier tune stored for that trace with another
     config (a baseline record replaced by a parity record, a verified config by another) are
-    returned for rejection, so the key answers the latest tune of its trace.  Rows of other
-    traces of the key (another routing source falling in the same class) stay.
+    returned for rejection, so the key answers the latest tune of its trace.  Only where the
+    store holds no replay of another trace at the key: a row may stand for the decisions of
+    several traces (routing sources falling in one class) while naming one of them, so with
+    other traces measured nothing is superseded.
     """
     if entry is None:
+        return []
+    others = {
+        m.trace_hash
+        for m in store.measurements(op=entry.op, family=entry.family, tokens=entry.tokens)
+        if m.comparison == "replay"
+        and m.role == "baseline"
+        and m.dtype == entry.dtype
+        and m.routing_class == entry.routing_class
+        and m.trace_hash != trace_hash
+    }
+    if others:
         return []
     out = []
     for e in store.entries(
@@ -693,6 +707,45 @@ def _job_entries(store: Store, job: str, fingerprint_hash: str) -> list[Entry]:
 _METHOD = {"graph": "cuda_graph_replay", "eager": "eager"}
 
 
+def _decided_elsewhere(
+    store: Store,
+    job: str,
+    fp: Fingerprint,
+    points: Sequence[tuple[Point, Trace, Trace]],
+    entries: Sequence[Entry],
+) -> list[Entry]:
+    """Stored rows the job's points decided that another job's point had decided first.
+
+    The store keeps one row per key and config, with the evidence of the first point that
+    decided it; a later job deciding the same key and config writes no row of its own.  Its
+    bundle must still export that row (the audit resolves its evidence against the bundle that
+    holds it).  The decisions are re-made from the job's stored measurements by the rule they
+    were decided under, as the audit re-makes them."""
+    have = {(e.family, e.dtype, e.tokens, e.routing_class, e.config_hash) for e in entries}
+    out: list[Entry] = []
+    for p, replay, _ in points:
+        ms = [m for m in _job_measurements(store, job, p.shape, p.key) if m.comparison]
+        if not ms:
+            continue
+        rule = min((m.decision_rule or 1) for m in ms)
+        d = pointverdict.decide([pointverdict.arm_from_measurement(m) for m in ms], rule=rule)
+        key = (p.shape.family, p.shape.dtype, p.shape.tokens, replay.routing_class)
+        if d.status == "none" or d.config_hash is None or (*key, d.config_hash) in have:
+            continue
+        for e in store.entries(
+            op=p.shape.op, dtype=p.shape.dtype, family=p.shape.family,
+            fingerprint_hash=fp.hash, source="tune",
+        ):  # fmt: skip
+            if (e.family, e.dtype, e.tokens, e.routing_class, e.config_hash) == (
+                *key,
+                d.config_hash,
+            ):
+                out.append(e)
+                have.add((*key, d.config_hash))
+                break
+    return out
+
+
 def write_bundles(
     store: Store,
     job: str,
@@ -708,6 +761,7 @@ def write_bundles(
 
     ``extras``: each point's held-out traces (``validation_traces``) as stored with it; drawn
     again from the workload when not given."""
+    entries = [*entries, *_decided_elsewhere(store, job, fp, points, entries)]
     labels = list(dict.fromkeys(p.routing_label for p, _, _ in points))
     if len(labels) <= 1:
         return [write_bundle(store, job, workload, fp, points, entries, out_dir, extras=extras)]
@@ -757,6 +811,12 @@ def write_bundle(
         extra = extras[p.key] if extras is not None else validation_traces(workload, p, replay)
         for t in (replay, synthetic, *extra["heldout"], *extra["neighbours"], *extra["classes"]):
             w.add_trace(t.ids, experts=p.shape.experts, generator=t.generator)
+        # the run schema names the decision rule of each point: 1.2 rule 2, 1.1 rule 1
+        rules: dict[str, int] = {}
+        for m in ms:
+            if m.point:
+                rules[m.point] = min(rules.get(m.point, 99), m.decision_rule or 1)
+        rule_versions = {k: ("1.2" if r >= 2 else "1.1") for k, r in rules.items()}
         for m in ms:
             # the bundle holds the replayed comparison and every failure; the synthetic
             # rungs' timings stay in the store
@@ -783,6 +843,7 @@ def write_bundle(
                 comparison=m.comparison,
                 margin=m.margin,
                 order_seed=m.order_seed,
+                schema_version=rule_versions.get(m.point or ""),
             )
     used = {e.fingerprint_hash for e in entries if e.fingerprint_hash}
     w.set_store_export(

@@ -170,6 +170,7 @@ class _Recorder:
             comparison=comparison,
             margin=margin,
             order_seed=order_seed,
+            decision_rule=pointverdict.RULE if comparison is not None else None,
         )
         self.items.append(m)
         return m

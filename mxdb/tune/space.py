@@ -150,8 +150,15 @@ class SearchSpace:
 
 
 def peer_seeds(store: Store, shape: MoEShape) -> list[KernelConfig]:
-    """Configs of imported peer tables for this family and dtype at the nearest token count."""
-    entries = store.entries(op=shape.op, dtype=shape.dtype, family=shape.family, status="imported")
+    """Configs of imported peer tables for this family and dtype at the nearest token count
+    (not the tuner's own ``tune-single`` records, which are stored as imported too)."""
+    entries = [
+        e
+        for e in store.entries(
+            op=shape.op, dtype=shape.dtype, family=shape.family, status="imported"
+        )
+        if e.source != "tune-single"
+    ]
     if not entries:
         return []
     best = min(abs(e.tokens - shape.tokens) for e in entries)

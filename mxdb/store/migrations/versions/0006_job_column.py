@@ -1,4 +1,8 @@
-"""Entries and measurements name the tuning job that wrote them.
+"""Entries and measurements name the tuning job that wrote them; measurements the rule.
+
+Measurements also get ``decision_rule`` (nullable integer): the ``mxdb.pointverdict`` rule the
+tuner decided their point by (NULL for rows written before: rule 1), so that a job's bundle
+says which rule its store export was made by, whatever mxdb writes the bundle.
 
 Until 0005 a job's rows were found by prefixes: the tuner names its runs
 ``<job tag>-<point tag>-<6 hex>-...`` (the tags: the first 8 hex digits of the SHA-256 of the
@@ -55,6 +59,7 @@ def upgrade() -> None:
         batch.add_column(sa.Column("job", sa.String(128), nullable=True))
     with op.batch_alter_table("measurements") as batch:
         batch.add_column(sa.Column("job", sa.String(128), nullable=True))
+        batch.add_column(sa.Column("decision_rule", sa.Integer, nullable=True))
     # "every row of job X": the bundle and report of a job
     op.create_index("ix_entries_job", "entries", ["job"])
     op.create_index("ix_measurements_job", "measurements", ["job"])
@@ -82,6 +87,7 @@ def downgrade() -> None:
     op.drop_index("ix_measurements_job", table_name="measurements")
     op.drop_index("ix_entries_job", table_name="entries")
     with op.batch_alter_table("measurements") as batch:
+        batch.drop_column("decision_rule")
         batch.drop_column("job")
     with op.batch_alter_table("entries") as batch:
         batch.drop_column("job")
