@@ -349,6 +349,23 @@ def test_a_verified_config_another_trace_of_its_key_contradicts_is_rejected(
         assert d.config != first
 
 
+#: vLLM's H200 table of Qwen3-30B-A3B's experts (E=128, N=768), vendored for tests
+H200_TABLE = (
+    Path(__file__).parent / "data" / "vllm_configs" / "E=128,N=768,device_name=NVIDIA_H200.json"
+)
+
+
+def _store_with_h200_vllm_table(tmp_path: Path, name: str) -> tuple[str, Path]:
+    """A SQLite store URL with vLLM's H200 table of E=128, N=768 imported (the peer rows)."""
+    vdir = tmp_path / "vllm"
+    vdir.mkdir()
+    (vdir / H200_TABLE.name).write_bytes(H200_TABLE.read_bytes())
+    url = f"sqlite:///{tmp_path / name}.sqlite"
+    res = CliRunner().invoke(cli, ["import", "vllm", str(vdir), "--db", url])
+    assert res.exit_code == 0, res.output
+    return url, H200_TABLE
+
+
 class _TieWithPeer(FakeBackend):
     """A fake host on which one peer row runs 0.2% faster than FlagGems' choice (inside the
     tune's 0.5% margin) and every other config 30% slower."""
@@ -368,20 +385,10 @@ def test_a_peer_row_at_parity_is_stored_dispatched_and_audited(tmp_path: Path) -
     """Rule 2 of mxdb.pointverdict end to end: nothing beats FlagGems' choice beyond the
     margin, vLLM's row ties with it on the replay and every held-out instance and is faster
     pooled over them, so the key answers vLLM's row (status parity)."""
-    import shutil
-
     from mxdb.dispatcher import Dispatcher
     from mxdb.evidence.writer import write_manifest
 
-    table = (
-        Path(__file__).parent / "data" / "vllm_configs" / "E=128,N=768,device_name=NVIDIA_H200.json"
-    )
-    vdir = tmp_path / "vllm"
-    vdir.mkdir()
-    shutil.copy(table, vdir / table.name)
-    url = f"sqlite:///{tmp_path / 'p.sqlite'}"
-    res = CliRunner().invoke(cli, ["import", "vllm", str(vdir), "--db", url])
-    assert res.exit_code == 0, res.output
+    url, table = _store_with_h200_vllm_table(tmp_path, "p")
     raw = json.loads(table.read_text())["16"]
     peer = KernelConfig.uniform(GemmConfig.from_triton(raw))
     wl = _wl(tokens=[16], routings=[{"kind": "uniform"}])
@@ -423,18 +430,9 @@ def test_parity_records_shared_by_routing_sources_audit_clean_together(tmp_path:
     """At M=1 the uniform and hot sources fall in one class: both points decide the same parity
     record, the store keeps one row, and each bundle exports it; audited together, the bundle
     whose runs back it resolves the other's (as it must for verified and baseline entries)."""
-    import shutil
-
     from mxdb.audit import audit_paths
 
-    table = (
-        Path(__file__).parent / "data" / "vllm_configs" / "E=128,N=768,device_name=NVIDIA_H200.json"
-    )
-    vdir = tmp_path / "vllm"
-    vdir.mkdir()
-    shutil.copy(table, vdir / table.name)
-    url = f"sqlite:///{tmp_path / 'p.sqlite'}"
-    assert CliRunner().invoke(cli, ["import", "vllm", str(vdir), "--db", url]).exit_code == 0
+    url, table = _store_with_h200_vllm_table(tmp_path, "p")
     peer = KernelConfig.uniform(GemmConfig.from_triton(json.loads(table.read_text())["1"]))
     wl = _wl(tokens=[1], routings=[{"kind": "uniform"}, {"kind": "hot", "fraction": 0.5}])
     rep = tune(
@@ -508,18 +506,9 @@ def test_a_later_tune_of_the_same_trace_supersedes_the_earlier_decision(tmp_path
     """Tuned once (a baseline record), then again by another job replaying the same trace on a
     host where vLLM's row ties with FlagGems' choice: the parity record answers the key and the
     earlier baseline record is rejected, naming what superseded it."""
-    import shutil
-
     from mxdb.dispatcher import Dispatcher
 
-    table = (
-        Path(__file__).parent / "data" / "vllm_configs" / "E=128,N=768,device_name=NVIDIA_H200.json"
-    )
-    vdir = tmp_path / "vllm"
-    vdir.mkdir()
-    shutil.copy(table, vdir / table.name)
-    url = f"sqlite:///{tmp_path / 's.sqlite'}"
-    assert CliRunner().invoke(cli, ["import", "vllm", str(vdir), "--db", url]).exit_code == 0
+    url, table = _store_with_h200_vllm_table(tmp_path, "s")
     peer = KernelConfig.uniform(GemmConfig.from_triton(json.loads(table.read_text())["16"]))
     first = _wl(tokens=[16], routings=[{"kind": "uniform"}])
     rep1 = tune(first, store_url=url, out_dir=tmp_path / "a", progress=False,
