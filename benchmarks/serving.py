@@ -686,6 +686,7 @@ def run_healing(a: argparse.Namespace) -> None:
     from mxdb.routing import classify, features
     from mxdb.runtime.healing import HealingOptions
     from mxdb.runtime.hook import Hook, _flaggems_choice, _kernels_pipeline, install_hook
+    from mxdb.shapes import preset_shape
 
     t_start = time.monotonic()
     out_dir = Path(a.out)
@@ -695,7 +696,8 @@ def run_healing(a: argparse.Namespace) -> None:
     store, imported, fp = store_from_export(a.store_export, live, "healing")
     probe = Dispatcher(store, fp, DispatchOptions(policy="strict"))
     dec: Any = StackDecoder(a) if a.decoder == "stack" else ModelDecoder(a, probe)
-    e = 128
+    # both decoders have Qwen3-30B-A3B's MoE layer
+    fam = preset_shape("qwen3-30b-a3b", 1, "bf16")
     doc: dict[str, Any] = {
         "fingerprint": live.components(),
         "fingerprint_hash": live.hash,
@@ -707,14 +709,11 @@ def run_healing(a: argparse.Namespace) -> None:
         "factor": a.factor,
         "errors": [],
     }
-    from mxdb.shapes import preset_shape
-
-    fam = preset_shape("qwen3-30b-a3b", 1, "bf16")
     # the batch size and routing class: a dispatched config with an alternative to move to
     chosen = None
     for m in (4, 2, 1, 8):
         state0, ids0 = dec.start(m)
-        rc = classify(features(ids0.cpu().numpy().astype("int64"), e))
+        rc = classify(features(ids0.cpu().numpy().astype("int64"), fam.experts))
         d = Dispatcher(store, fp, DispatchOptions(policy="strict", default_routing_class=rc))
         shape = fam.with_tokens(m)
         alts = d.alternatives(shape, rc)

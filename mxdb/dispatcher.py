@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from mxdb.decision import EXACT, NEIGHBOUR, Decision, fallback
 from mxdb.errors import MxdbError, UsageError
-from mxdb.models import ADJACENT_CLASSES, ROUTING_CLASSES, Fingerprint
+from mxdb.models import ADJACENT_CLASSES, DECIDED_STATUSES, ROUTING_CLASSES, Fingerprint
 from mxdb.ops import parse_config
 from mxdb.shapes import MOE_OP
 
@@ -349,7 +349,7 @@ class Dispatcher:
         any_verified = False
         for row in fam.rows:
             row_id, tokens, routing_class, _, fp_hash, status, speedup = row
-            if status != "verified" and status != "baseline" and status != "parity":
+            if status not in DECIDED_STATUSES:
                 continue
             any_verified = True
             ok = ok_of.get(fp_hash)
@@ -365,13 +365,7 @@ class Dispatcher:
             # class (several traces) measured there disagree, and on one of them nothing beat
             # FlagGems' choice, so FlagGems' choice is the answer no measurement contradicts.
             # A parity record (a peer's row at parity with it) ranks between the two.
-            rank = (status == "baseline", status == "parity", speedup or 0.0, row_id)
-            if old is None or rank > (
-                old[5] == "baseline",
-                old[5] == "parity",
-                old[6] or 0.0,
-                old[0],
-            ):
+            if old is None or _rank(status, speedup, row_id) > _rank(old[5], old[6], old[0]):
                 by_tokens[tokens] = row
         if not best:
             stale_here = any(
@@ -562,6 +556,12 @@ class Dispatcher:
 
 #: Dispatchers with a refresher thread, so that a forked child restarts theirs.
 _live: weakref.WeakSet[Dispatcher] = weakref.WeakSet()
+
+
+def _rank(status: str, speedup: float | None, row_id: int) -> tuple[bool, bool, float, int]:
+    """The order of rows at one key: a baseline record first, then a parity record, then the
+    verified entries by speedup (ties: the newer row)."""
+    return (status == "baseline", status == "parity", speedup or 0.0, row_id)
 
 
 def _refresh_loop(

@@ -48,6 +48,9 @@ ADJACENT_CLASSES: dict[str, frozenset[str]] = {
 #: key; ``mxdb.pointverdict`` rule 2); imported: a peer table's config (a search seed, never
 #: dispatched); stale: its environment changed (kept for the record); rejected: withdrawn.
 EntryStatus = Literal["verified", "baseline", "parity", "imported", "stale", "rejected"]
+#: The statuses of a tuner's decisions still in force: what the dispatcher reads, exports
+#: carry, drift judges and a later measurement may reject.
+DECIDED_STATUSES: tuple[str, ...] = ("verified", "baseline", "parity")
 MeasurementStatus = Literal["ok", "oor", "compile_error", "wrong", "timeout", "slower"]
 MEASUREMENT_STATUSES: tuple[str, ...] = ("ok", "oor", "compile_error", "wrong", "timeout", "slower")
 

@@ -24,6 +24,7 @@ from mxdb.audit.compare import TOL, Tol, same
 from mxdb.audit.findings import BundleResult, Finding, FindingSink
 from mxdb.configs import config_hash
 from mxdb.evidence.summary import family_of, group_key, run_passes
+from mxdb.models import DECIDED_STATUSES
 
 
 class ExportSink(FindingSink, Protocol):
@@ -39,7 +40,7 @@ F = "store_export.json"
 FIGURES = ("speedup", "noise_band", "median_us", "baseline_us", "confidence")
 #: Statuses an exported tune entry may carry; ``rejected`` is a verified entry that a later
 #: trace of its key contradicted (never dispatched, so it needs no more than its decision).
-STATUSES = ("verified", "baseline", "parity", "rejected")
+STATUSES = (*DECIDED_STATUSES, "rejected")
 
 
 def _key(e: Mapping[str, Any]) -> tuple[Any, ...]:

@@ -19,7 +19,7 @@ from mxdb.cli.app import (
     shape_options,
 )
 from mxdb.errors import InvalidInputError
-from mxdb.models import ROUTING_CLASSES, EntryStatus
+from mxdb.models import DECIDED_STATUSES, ROUTING_CLASSES, EntryStatus
 from mxdb.shapes import MoEShape
 
 ENTRY_STATUSES: tuple[str, ...] = get_args(EntryStatus)
@@ -249,7 +249,7 @@ def import_mxdb_cmd(path: Path, db: str | None, as_json: bool) -> None:
     "statuses",
     type=click.Choice(ENTRY_STATUSES),
     multiple=True,
-    default=("verified", "baseline", "parity"),
+    default=DECIDED_STATUSES,
     show_default=True,
     help="mxdb: entry statuses to export (repeatable).",
 )

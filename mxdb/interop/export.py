@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from mxdb.errors import InvalidInputError, MxdbError, UsageError
 from mxdb.fileio import atomic_write_json, atomic_write_text
 from mxdb.interop import flaggems, tables, vllm
-from mxdb.models import Entry, Fingerprint, utcnow
+from mxdb.models import DECIDED_STATUSES, Entry, Fingerprint, utcnow
 from mxdb.version import __version__
 
 if TYPE_CHECKING:
@@ -60,7 +60,7 @@ class ExportOptions:
     class; a baseline record means "FlagGems' own choice", which those tables already hold.
     """
 
-    statuses: tuple[str, ...] = ("verified", "baseline", "parity")
+    statuses: tuple[str, ...] = DECIDED_STATUSES
     dtype: str = "bf16"
     routing_class: str = "uniform"
     #: vllm/flaggems: the fingerprint whose rows to write (required for those formats)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from mxdb.configs import GemmConfig, KernelConfig
 from mxdb.errors import ConfigError, UsageError
 from mxdb.interop import vllm
-from mxdb.models import Entry, Fingerprint
+from mxdb.models import DECIDED_STATUSES, Entry, Fingerprint
 from mxdb.resources import flaggems_default_config
 from mxdb.shapes import MOE_OP, MoEShape, canonical_dtype
 from mxdb.tune.verify import SINGLE_SOURCE
@@ -89,7 +89,7 @@ class TableSet:
 def fingerprints_with_entries(store: Store) -> dict[str, str | None]:
     """{fingerprint hash: device name} of the fingerprints that have tuned MoE entries."""
     out: dict[str, str | None] = {}
-    for e in store.entries(op=MOE_OP, status=["verified", "baseline", "parity"]):
+    for e in store.entries(op=MOE_OP, status=DECIDED_STATUSES):
         if e.fingerprint_hash:
             out.setdefault(e.fingerprint_hash, e.device_name)
     return out
@@ -126,10 +126,7 @@ def build(
         e
         for e in store.entries(op=MOE_OP, dtype=dtype, fingerprint_hash=fingerprint_hash)
         if e.routing_class == routing_class
-        and (
-            e.status in ("verified", "baseline", "parity")
-            or (e.status == "imported" and e.source == SINGLE_SOURCE)
-        )
+        and (e.status in DECIDED_STATUSES or (e.status == "imported" and e.source == SINGLE_SOURCE))
     ]
     device = fp.device_name if fp is not None and fp.device_name else None
     if device is None:

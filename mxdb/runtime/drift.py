@@ -28,7 +28,7 @@ from mxdb import verdict as verdict_rule
 from mxdb.configs import KernelConfig
 from mxdb.errors import MxdbError, UsageError
 from mxdb.fingerprint import LIVE_COMPONENTS, diff, mismatches
-from mxdb.models import Entry, Fingerprint
+from mxdb.models import DECIDED_STATUSES, Entry, Fingerprint
 from mxdb.shapes import MoEShape
 
 #: The synthetic routing that stands for each routing class in a re-tune workload.
@@ -148,7 +148,7 @@ def check(
         breaking = mismatches(old, current, policy)
         if not breaking:
             continue
-        entries = store.entries(fingerprint_hash=h, status=["verified", "baseline", "parity"])
+        entries = store.entries(fingerprint_hash=h, status=DECIDED_STATUSES)
         if not judge_gpu and has_gpu_facts(old):
             cannot_judge.append(
                 {
@@ -181,9 +181,7 @@ def check(
     ok_hashes = {h for h, fp in known.items() if not mismatches(fp, current, policy)}
     ok_hashes.add(current.hash)
     covered = {
-        _key(e)
-        for e in store.entries(status=["verified", "baseline", "parity"])
-        if e.fingerprint_hash in ok_hashes
+        _key(e) for e in store.entries(status=DECIDED_STATUSES) if e.fingerprint_hash in ok_hashes
     }
     affected = {e.id: e for e in newly}
     already = 0

@@ -45,7 +45,7 @@ from mxdb.errors import (
     StoreError,
     StoreNotFoundError,
 )
-from mxdb.models import Entry, EntryStatus, Fingerprint, Measurement, utcnow
+from mxdb.models import DECIDED_STATUSES, Entry, EntryStatus, Fingerprint, Measurement, utcnow
 from mxdb.store import schema
 from mxdb.store.engine import (
     BEGIN_OPTION,
@@ -838,7 +838,7 @@ class Store:
                     update(entries_t)
                     .where(
                         entries_t.c.id == int(entry_id),
-                        entries_t.c.status.in_(("verified", "baseline", "parity")),
+                        entries_t.c.status.in_(DECIDED_STATUSES),
                     )
                     .values(status="rejected", stale_reason=reason)
                 )

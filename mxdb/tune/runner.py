@@ -31,7 +31,7 @@ from mxdb import pointverdict, verdict
 from mxdb.configs import KernelConfig
 from mxdb.errors import MxdbError, UsageError
 from mxdb.fingerprint import environment_data
-from mxdb.models import Entry, Fingerprint, Measurement
+from mxdb.models import DECIDED_STATUSES, Entry, Fingerprint, Measurement
 from mxdb.shapes import MoEShape
 from mxdb.store import Claim, Store
 from mxdb.tune.backend import Backend
@@ -493,7 +493,7 @@ def superseded(store: Store, entry: Entry | None, trace_hash: str) -> list[tuple
         family=entry.family,
         fingerprint_hash=entry.fingerprint_hash,
         source="tune",
-        status=["verified", "baseline", "parity"],
+        status=DECIDED_STATUSES,
     ):
         if (
             e.id is None
@@ -699,7 +699,7 @@ def _job_entries(store: Store, job: str, fingerprint_hash: str) -> list[Entry]:
         source="tune",
         # rejected ones too: a later trace of the key contradicted them, but this job's own
         # bundle verified them and its store export says what became of them
-        status=["verified", "baseline", "parity", "rejected"],
+        status=[*DECIDED_STATUSES, "rejected"],
         job=job,
     )
 
@@ -721,29 +721,34 @@ def _decided_elsewhere(
     bundle must still export that row (the audit resolves its evidence against the bundle that
     holds it).  The decisions are re-made from the job's stored measurements by the rule they
     were decided under, as the audit re-makes them."""
-    have = {(e.family, e.dtype, e.tokens, e.routing_class, e.config_hash) for e in entries}
+
+    def natural(e: Entry) -> tuple[Any, ...]:
+        return (e.op, e.family, e.dtype, e.tokens, e.routing_class, e.config_hash)
+
+    have = {natural(e) for e in entries}
+    stored: dict[tuple[Any, ...], Entry] = {}
+    for e in store.entries(fingerprint_hash=fp.hash, source="tune"):
+        stored.setdefault(natural(e), e)
     out: list[Entry] = []
     for p, replay, _ in points:
         ms = [m for m in _job_measurements(store, job, p.shape, p.key) if m.comparison]
         if not ms:
             continue
-        rule = min((m.decision_rule or 1) for m in ms)
-        d = pointverdict.decide([pointverdict.arm_from_measurement(m) for m in ms], rule=rule)
-        key = (p.shape.family, p.shape.dtype, p.shape.tokens, replay.routing_class)
-        if d.status == "none" or d.config_hash is None or (*key, d.config_hash) in have:
-            continue
-        for e in store.entries(
-            op=p.shape.op, dtype=p.shape.dtype, family=p.shape.family,
-            fingerprint_hash=fp.hash, source="tune",
-        ):  # fmt: skip
-            if (e.family, e.dtype, e.tokens, e.routing_class, e.config_hash) == (
-                *key,
-                d.config_hash,
-            ):
-                out.append(e)
-                have.add((*key, d.config_hash))
-                break
+        arms = [pointverdict.arm_from_measurement(m) for m in ms]
+        d = pointverdict.decide(arms, rule=_decision_rule(ms))
+        s = p.shape
+        key = (s.op, s.family, s.dtype, s.tokens, replay.routing_class, d.config_hash)
+        row = stored.get(key)
+        if d.status != "none" and key not in have and row is not None:
+            out.append(row)
+            have.add(key)
     return out
+
+
+def _decision_rule(ms: Sequence[Measurement]) -> int:
+    """The ``mxdb.pointverdict`` rule a point's measurements were decided by (rows written
+    before the rule was stored: 1; mixed: the lower)."""
+    return min((m.decision_rule or 1) for m in ms) if ms else 1
 
 
 def write_bundles(
@@ -812,11 +817,13 @@ def write_bundle(
         for t in (replay, synthetic, *extra["heldout"], *extra["neighbours"], *extra["classes"]):
             w.add_trace(t.ids, experts=p.shape.experts, generator=t.generator)
         # the run schema names the decision rule of each point: 1.2 rule 2, 1.1 rule 1
-        rules: dict[str, int] = {}
+        by_point: dict[str, list[Measurement]] = {}
         for m in ms:
             if m.point:
-                rules[m.point] = min(rules.get(m.point, 99), m.decision_rule or 1)
-        rule_versions = {k: ("1.2" if r >= 2 else "1.1") for k, r in rules.items()}
+                by_point.setdefault(m.point, []).append(m)
+        rule_versions = {
+            k: ("1.2" if _decision_rule(v) >= 2 else "1.1") for k, v in by_point.items()
+        }
         for m in ms:
             # the bundle holds the replayed comparison and every failure; the synthetic
             # rungs' timings stay in the store
