@@ -317,12 +317,29 @@ def run(a: argparse.Namespace) -> None:
             names = list(cfgs)
             if "d" in cfgs and cfgs["d"].hash == cfgs["c"].hash:
                 names.remove("d")
-            pipes = {n: MoEPipeline(shape, cfgs[n], w1, w2) for n in names}
             # same-config copies: of (a) under the verdict rule (its noise band), else of (c)
             copy = "a" if a.heldout else "c"
-            if "c" in cfgs:
-                pipes["ctl1"] = MoEPipeline(shape, cfgs[copy], w1, w2)
-                pipes["ctl2"] = MoEPipeline(shape, cfgs[copy], w1, w2)
+            builds = list(names) + (["ctl1", "ctl2"] if "c" in cfgs else [])
+            if a.heldout:
+                # buffers are placed in the order pipelines are built: a fixed order would give
+                # one arm the same placement on every instance (a bias the pooled verdict no
+                # longer averages away), so held-out runs build them in a seeded random order
+                builds = [
+                    builds[i] for i in np.random.default_rng(info["seed"]).permutation(len(builds))
+                ]
+            pipes: dict[str, Any] = {}
+            for n in builds:
+                cfg = cfgs[copy] if n in ("ctl1", "ctl2") else cfgs[n]
+                twin = next((o for o in names if o in pipes and cfgs[o].hash == cfg.hash), None)
+                if a.heldout and n == "c" and twin is not None:
+                    # mxdb answered a peer's own config: (c) *is* that arm's kernel, so it runs
+                    # that arm's pipeline (its own buffers would only time their placement)
+                    pipes[n] = pipes[twin]
+                elif a.heldout and n in ("a", "b") and "c" in pipes and cfgs["c"].hash == cfg.hash:
+                    pipes[n] = pipes["c"]
+                else:
+                    pipes[n] = MoEPipeline(shape, cfg, w1, w2)
+            pipes = {n: pipes[n] for n in [*names, *(["ctl1", "ctl2"] if "c" in cfgs else [])]}
             corr = {}
             for n, p in pipes.items():
                 r = compare(p(x, tw, ids).clone(), ref, "bf16")

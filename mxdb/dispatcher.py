@@ -386,7 +386,7 @@ class Dispatcher:
         """The best supported row for (tokens, class); see ``_support`` for what supports it."""
         assert fam.index is not None
         ratio_limit = self.options.neighbour_ratio
-        best: tuple[float, float, float, int, DispatchRow, str] | None = None
+        best: tuple[float, bool, float, float, int, DispatchRow, str] | None = None
         any_class_ok = False
         unsupported = False
         classes = [(routing_class, True)]
@@ -413,15 +413,17 @@ class Dispatcher:
                 if conf is None:
                     unsupported = True
                     continue
-                # the nearest measurement first, then confidence, then speedup
-                cand = (-abs(math.log(ratio)), conf, row.speedup or 0.0, row.id, row, reason)
-                if best is None or cand[:4] > best[:4]:
+                # the nearest measurement first, then the call's own class over an adjacent
+                # one (an adjacent class's entry was chosen on other routings), then
+                # confidence, then speedup
+                cand = (-abs(math.log(ratio)), same, conf, row.speedup or 0.0, row.id, row, reason)
+                if best is None or cand[:5] > best[:5]:
                     best = cand
         if best is None:
             if unsupported:
                 return fallback("neighbour_not_validated")
             return fallback("tokens_out_of_range" if any_class_ok else "routing_class_far")
-        _, confidence, _, _, row, reason = best
+        _, _, confidence, _, _, row, reason = best
         if row.status == "baseline":
             # the nearest measurement found FlagGems' own choice best: answer with it
             return fallback("baseline_measured")

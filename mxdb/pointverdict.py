@@ -13,8 +13,10 @@ A point's comparisons (each timed in rounds of randomized order, :mod:`mxdb.verd
   the bar (if any), on a routing instance of the point's class the search never saw.
 - ``tokens-M``: FlagGems' choice at a neighbouring token count ``M`` and its copies against the
   chosen config, on a held-out instance at ``M`` (what a neighbour answer of the dispatcher
-  may rely on); ``class-N``: the same at the point's own token count on an instance of the
-  workload's N-th other routing source (what an answer for an adjacent class may rely on).
+  may rely on); ``class-N``: the same, with the peers' table rows where they were timed there,
+  at the point's own token count on an instance of the workload's N-th other routing source
+  (what an answer for an adjacent class may rely on: won only if the choice is not slower
+  than any of those rows either).
 
 The decision:
 
@@ -280,6 +282,24 @@ def decide(arms: Iterable[Arm], *, heldout_min: int = HELDOUT_MIN, rule: int = 1
     return _parity(by_comp, heldout, heldout_min) or first
 
 
+def _slower_than_peers(
+    comp: Sequence[Arm], cand: Arm, hashes: Iterable[str], against_base: verdict.Verdict
+) -> bool:
+    """Whether ``cand`` is slower than any arm of ``comp`` with a config in ``hashes`` (arms of
+    the choice's own config and rows not timed there do not count), judged in FlagGems'
+    copies' noise band."""
+    for h in set(hashes) - {cand.config_hash}:
+        peer = next((a for a in comp if a.config_hash == h and usable(a)), None)
+        if peer is None:
+            continue
+        pv = verdict.compare(
+            [list(peer.samples)], cand.samples, margin=cand.margin, band=against_base.noise_band
+        )
+        if pv.slower:
+            return True
+    return False
+
+
 def _decide(by_comp: Mapping[str, list[Arm]], heldout_min: int) -> PointDecision:
     """Items 1-3 of the module docstring."""
     replay = by_comp.get("replay", [])
@@ -315,14 +335,9 @@ def _decide(by_comp: Mapping[str, list[Arm]], heldout_min: int) -> PointDecision
             validation.append({"comparison": name, "outcome": "missing", "won": False})
             continue
         hv = verdict.compare([list(c.samples) for c in copies], cand.samples, margin=cand.margin)
-        ok = hv.faster
-        if bar is not None and bar.config_hash != chosen.config_hash:
-            peer = next((a for a in comp if a.config_hash == bar.config_hash and usable(a)), None)
-            if peer is not None:
-                pv = verdict.compare(
-                    [list(peer.samples)], cand.samples, margin=cand.margin, band=hv.noise_band
-                )
-                ok = ok and not pv.slower
+        ok = hv.faster and not _slower_than_peers(
+            comp, cand, [bar.config_hash] if bar is not None else [], hv
+        )
         won += ok
         validation.append(_record(name, cand, hv, ok))
     for name in sorted(n for n in by_comp if n.startswith(("tokens-", "class-"))):
@@ -332,7 +347,13 @@ def _decide(by_comp: Mapping[str, list[Arm]], heldout_min: int) -> PointDecision
         if cand is None or not copies or not usable(cand):
             continue
         nv = verdict.compare([list(c.samples) for c in copies], cand.samples, margin=cand.margin)
-        validation.append(_record(name, cand, nv, nv.faster))
+        # a class-N instance timed with the peers' rows (bundles since they joined them) is
+        # won only if the choice is not slower than any of them either
+        peers = (
+            [a.config_hash for a in comp if a.role == "peer"] if name.startswith("class-") else []
+        )
+        ok = nv.faster and not _slower_than_peers(comp, cand, peers, nv)
+        validation.append(_record(name, cand, nv, ok))
     confidence = won / len(heldout) if heldout else 0.0
     figures = dict(
         speedup=v.speedup, low=v.low, high=v.high, noise_band=v.noise_band,

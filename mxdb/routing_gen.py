@@ -23,7 +23,7 @@ KINDS: dict[str, dict[str, Any]] = {
     "uniform": {},
     "zipf": {"s": 1.2},
     "hot": {"fraction": 0.5, "hot_expert": 0},
-    "sparse": {"active": 0.25},
+    "sparse": {"active": 0.25, "s": 0.0},
     "logits": {"s": 0.0, "hot_bias": 0.0, "hot_expert": 0, "scale": 1.0},
 }
 
@@ -68,8 +68,9 @@ def generate(
     - ``hot`` (``fraction``, default 0.5; ``hot_expert``, default 0): each token
       includes the hot expert with probability ``fraction``; its other slots
       are uniform over the remaining experts.
-    - ``sparse`` (``active``, default 0.25): only ``max(topk, round(active *
-      experts))`` experts, chosen at random, receive tokens, uniformly.
+    - ``sparse`` (``active``, default 0.25; ``s``, default 0): only ``max(topk, round(active *
+      experts))`` experts, chosen at random, receive tokens, uniformly; with ``s`` > 0 the
+      active experts have Zipf popularity ``1 / (r + 1)^s`` in a random order.
     - ``logits`` (``s``, ``hot_bias``, ``hot_expert``, ``scale``): a router's view: each token
       has logits ``scale * N(0, 1) + bias`` and takes its ``topk`` largest (the top-k of their
       softmax).  The bias is a Zipf popularity ``-s * log(rank + 1)`` over a seeded random
@@ -139,5 +140,9 @@ def generate(
     # sparse
     active = _check_real("active", opts["active"], 0.0, 1.0, open_low=True)
     n_active = min(e, max(k, round(active * e)))
+    zs = _check_real("s", opts["s"], 0.0, 100.0, open_low=False)
     chosen = np.sort(rng.choice(e, size=n_active, replace=False)).astype(np.int64)
-    return chosen[_top_k(np.zeros((m, n_active)), k, rng)]
+    if zs == 0.0:
+        return chosen[_top_k(np.zeros((m, n_active)), k, rng)]
+    logw = -zs * np.log(rng.permutation(n_active).astype(np.float64) + 1.0)
+    return chosen[_top_k(np.broadcast_to(logw, (m, n_active)).copy(), k, rng)]

@@ -186,6 +186,23 @@ def test_routing_classes_same_adjacent_far(store: Store) -> None:
     assert (hot.level, hot.config) == ("exact", CFG_B)
 
 
+def test_the_calls_own_class_outranks_an_adjacent_one_at_the_same_tokens(store: Store) -> None:
+    # an adjacent class's entry with the larger speedup, validated on this class too, and the
+    # call's own class's entry at the same token count: the own class answers (an adjacent
+    # class's entry was chosen on other routings)
+    store.add_entries([
+        entry(routing_class="hot", speedup=1.2, validation=[won(4, "skewed")]),
+        entry(routing_class="skewed", config=CFG_B, speedup=1.05),
+    ])  # fmt: skip
+    d = Dispatcher(store, H200).dispatch(SHAPE, "skewed")
+    assert (d.config, d.reason, d.routing_class) == (CFG_B, "exact_match", "skewed")
+    # without the own class's entry the adjacent one answers, with its reason
+    other = SHAPE.with_tokens(64)
+    store.add_entries([entry(other, routing_class="hot", validation=[won(64, "skewed")])])
+    d2 = Dispatcher(store, H200).dispatch(other, "skewed")
+    assert (d2.config, d2.reason) == (CFG_A, "adjacent_routing")
+
+
 def test_fallback_reasons(store: Store) -> None:
     disp = Dispatcher(store, H200)
     assert disp.dispatch(SHAPE).reason == "no_entry"

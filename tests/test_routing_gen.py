@@ -51,6 +51,18 @@ def test_zipf_popularity_decreases_with_rank() -> None:
     assert c0.max() / c0.min() < 1.15
 
 
+def test_sparse_with_skew_loads_its_active_experts_unevenly() -> None:
+    flat = generate("sparse", 4000, 64, 4, seed=3, active=0.25)
+    skewed = generate("sparse", 4000, 64, 4, seed=3, active=0.25, s=1.2)
+    assert len(np.unique(skewed)) == 16  # still only the active experts
+    flat_counts = np.bincount(flat.ravel(), minlength=64)
+    counts = np.bincount(skewed.ravel(), minlength=64)
+    active = counts[counts > 0]
+    assert active.max() / active.min() > 3 * flat_counts.max() / flat_counts[flat_counts > 0].min()
+    # s = 0 is the plain sparse generator, draw for draw
+    np.testing.assert_array_equal(flat, generate("sparse", 4000, 64, 4, seed=3, s=0.0))
+
+
 def test_sparse_uses_only_active_experts() -> None:
     ids = generate("sparse", 1000, 64, 4, seed=0, active=0.25)
     assert len(np.unique(ids)) == 16

@@ -146,3 +146,40 @@ def test_yaml_round_trip(
     assert again.content_hash == wl.content_hash
     assert len(wl.points()) == 2 * len(tokens) * len(dtypes) * len(routings)
     assert len({p.key for p in wl.points()}) == len(wl.points())
+
+
+@pytest.mark.parametrize(
+    ("routing", "field"),
+    [
+        ({"kind": "zipf", "exponent": 1.2}, "exponent"),
+        ({"kind": "hot", "fraction": 0.5, "expert": 0}, "fraction"),
+        ({"kind": "sparse", "active": 0.25}, "active"),
+    ],
+)
+def test_held_out_instances_perturb_the_source_within_its_class(
+    tmp_path: Path, routing: dict[str, object], field: str
+) -> None:
+    from mxdb.tune.traces import JITTER, SPARSE_ACTIVE, heldout_traces, point_traces
+
+    path = tmp_path / "w.json"
+    doc = {**BASE, "models": ["qwen3-30b-a3b"], "tokens": [128], "routings": [routing]}
+    path.write_text(json.dumps(doc))
+    wl = load_workload(path)
+    shape = wl.points()[0].shape
+    replay, _ = point_traces(wl, shape, 0)
+    held = heldout_traces(wl, shape, 0, replay, 3)
+    assert len(held) == 3 and {t.routing_class for t in held} == {replay.routing_class}
+    workload_params = {k: v for k, v in routing.items() if k != "kind"}
+    assert held[0].generator["params"] == workload_params
+    for t in held[1:]:
+        params = t.generator["params"]
+        assert params != workload_params
+        ratio = params[field] / workload_params[field]  # type: ignore[operator]
+        low, high = SPARSE_ACTIVE if field == "active" else JITTER
+        assert low - 1e-3 <= ratio <= high + 1e-3 or params[field] in (0.05, 1.0)
+    if routing["kind"] == "sparse":
+        # skewed load among the active experts: some receive far more tokens than others
+        assert any(t.generator["params"]["s"] > 0 for t in held[1:])
+    # deterministic: the same workload gives the same instances
+    again = heldout_traces(wl, shape, 0, replay, 3)
+    assert [t.trace_hash for t in again] == [t.trace_hash for t in held]

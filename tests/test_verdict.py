@@ -176,6 +176,39 @@ def test_a_peer_row_that_beats_flaggems_sets_the_bar() -> None:
     assert d3.status == "baseline"
 
 
+def test_an_adjacent_class_instance_is_won_only_if_no_peer_row_is_faster_there() -> None:
+    replay = _comparison(
+        "replay", {**COPIES, "fin01": ("candidate", "W", 80.0), "fin02": ("peer", "P", 99.0)}
+    )
+    held = [
+        a
+        for i in range(3)
+        for a in _comparison(
+            f"heldout-{i + 1}", {**COPIES, "cand": ("candidate", "W", 80.0)}, seed=i + 11
+        )  # fmt: skip
+    ]
+
+    def klass(peer_us: float | None) -> list[Arm]:
+        arms = {**COPIES, "cand": ("candidate", "W", 95.0)}
+        if peer_us is not None:
+            arms["peer"] = ("peer", "P", peer_us)
+        return _comparison("class-1", arms, seed=21)
+
+    def class_won(arms: list[Arm]) -> bool:
+        d = pointverdict.decide([*replay, *held, *arms], rule=2)
+        assert d.status == "verified"
+        (v,) = [v for v in d.validation if v["comparison"] == "class-1"]
+        return bool(v["won"])
+
+    # faster than FlagGems' choice on the other source's instance; no peer row timed there
+    # (bundles before the peers' rows joined class-N comparisons): won
+    assert class_won(klass(None))
+    # vLLM's row is faster than the choice there: an adjacent-class answer must not rely on it
+    assert not class_won(klass(90.0))
+    # the choice is not slower than vLLM's row there: won
+    assert class_won(klass(97.0))
+
+
 def test_wrong_results_and_nothing_compared() -> None:
     wrong = [
         *_comparison("replay", COPIES),

@@ -749,8 +749,8 @@ def validate(
 
     Each held-out instance of the point's class is one comparison (``heldout-N``): FlagGems'
     choice and its copies, the choice, and the peer row that set the bar; each neighbouring
-    token count's instance (``tokens-M``) and each other routing source's (``class-N``)
-    compares the choice with FlagGems' choice there.
+    token count's instance (``tokens-M``) compares the choice with FlagGems' choice there, and
+    each other routing source's (``class-N``) with FlagGems' choice and the bar row.
     The choice is checked against the reference on every instance.  The replay's parity row
     (``result.parity_peer``), where it is another config, is timed on the held-out instances
     too; where the replay chose nothing, the held-out instances time the parity row alone.
@@ -776,6 +776,10 @@ def validate(
             # the bar row and the parity row (usually one config), where not the choice
             extra = [c for c in {c.hash: c for c in (bar, parity) if c is not None}.values()
                      if c.hash != chosen.hash]  # fmt: skip
+        elif name.startswith("class-"):
+            # a peer's table row does not change with the routing: an answer for an adjacent
+            # class must not be slower than the rows of this token count there either
+            extra = [c for c in point.peer_rows if c.hash != chosen.hash]
         acc, failure, tag, common = _validation_comparison(
             backend, point, options, rec, name, shape, routing, [chosen, *extra], method
         )

@@ -68,6 +68,35 @@ def _params(src: RoutingSource) -> dict[str, Any]:
     return {}
 
 
+#: Relative range over which held-out instances perturb a source's parameter (x U(low, high)).
+JITTER = (0.7, 1.4)
+#: Relative range of a perturbed sparse instance's active fraction.
+SPARSE_ACTIVE = (0.5, 3.0)
+#: Largest Zipf exponent among the active experts of a perturbed sparse instance.
+SPARSE_SKEW_MAX = 1.2
+
+
+def jittered_params(src: RoutingSource, shape: MoEShape, seed: int) -> dict[str, Any]:
+    """``src``'s parameters perturbed (deterministically from ``seed``): a Zipf exponent or a
+    hot fraction scaled by :data:`JITTER`, another hot expert, a sparse source's active
+    fraction scaled by :data:`SPARSE_ACTIVE` and its active experts' load skewed (Zipf, up to
+    :data:`SPARSE_SKEW_MAX`)."""
+    rng = np.random.default_rng((seed ^ 0x5F3759DF) % 2**32)
+    scale = float(rng.uniform(*JITTER))
+    if isinstance(src, ZipfRouting):
+        return {"exponent": round(src.exponent * scale, 4)}
+    if isinstance(src, HotRouting):
+        fraction = min(1.0, max(0.05, src.fraction * scale))
+        return {"fraction": round(fraction, 4), "expert": int(rng.integers(shape.experts))}
+    if isinstance(src, SparseRouting):
+        # the sparse class spans from a few active experts to about three quarters of them:
+        # draw the active fraction over SPARSE_ACTIVE times the source's (instances that leave
+        # the class are redrawn by the caller)
+        active = min(1.0, src.active * float(rng.uniform(*SPARSE_ACTIVE)))
+        return {"active": round(active, 4), "s": round(float(rng.uniform(0, SPARSE_SKEW_MAX)), 4)}
+    return _params(src)
+
+
 def generate(kind: str, shape: MoEShape, seed: int, params: dict[str, Any]) -> np.ndarray:
     """Generated top-k ids for ``shape`` (``mxdb.routing_gen``)."""
     # the workload's field names -> the generator's parameter names
@@ -146,11 +175,14 @@ def heldout_traces(
         if len(out) == count:
             break
         seed = (base + i) % 2**32
-        ids = generate(src.kind, shape, seed, _params(src))
+        # the first instance keeps the workload's parameters; the others perturb them, so a
+        # verified entry has also won on routings of its class that its source does not draw
+        params = _params(src) if not out else jittered_params(src, shape, seed)
+        ids = generate(src.kind, shape, seed, params)
         cls = classify(ids, shape.experts)
         if cls != replay.routing_class:
             continue
-        gen = {"kind": src.kind, "seed": seed, "params": _params(src)}
+        gen = {"kind": src.kind, "seed": seed, "params": params}
         out.append(Trace(ids, trace_hash(shape.experts, ids.tolist()), cls, gen))
     return out
 
