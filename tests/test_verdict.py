@@ -185,7 +185,7 @@ def test_an_adjacent_class_instance_is_won_only_if_no_peer_row_is_faster_there()
         for i in range(3)
         for a in _comparison(
             f"heldout-{i + 1}", {**COPIES, "cand": ("candidate", "W", 80.0)}, seed=i + 11
-        )  # fmt: skip
+        )
     ]
 
     def klass(peer_us: float | None) -> list[Arm]:
