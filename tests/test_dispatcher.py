@@ -203,6 +203,26 @@ def test_the_calls_own_class_outranks_an_adjacent_one_at_the_same_tokens(store: 
     assert (d2.config, d2.reason) == (CFG_A, "adjacent_routing")
 
 
+def test_every_answer_with_an_entry_has_a_reason_the_peers_audit_knows(store: Store) -> None:
+    from mxdb.evidence.peers import ENTRY_REASONS
+
+    store.add_entries([
+        entry(),
+        entry(SHAPE.with_tokens(64), routing_class="hot", validation=[won(64, "skewed")]),
+        entry(SHAPE.with_tokens(512), status="parity", config=CFG_B),
+        entry(SHAPE.with_tokens(2048), validation=[won(2900)]),
+        entry(SHAPE.with_tokens(256), routing_class="hot", validation=[won(300, "skewed")]),
+    ])  # fmt: skip
+    disp = Dispatcher(store, H200)
+    calls = [(4, "uniform"), (64, "skewed"), (512, "uniform"), (2600, "uniform"), (280, "skewed")]
+    reasons = {disp.dispatch(SHAPE.with_tokens(m), c).reason for m, c in calls}
+    assert reasons == {
+        "exact_match", "adjacent_routing", "peer_parity", "neighbour_tokens",
+        "neighbour_tokens_adjacent_routing",
+    }  # fmt: skip
+    assert reasons <= set(ENTRY_REASONS)
+
+
 def test_fallback_reasons(store: Store) -> None:
     disp = Dispatcher(store, H200)
     assert disp.dispatch(SHAPE).reason == "no_entry"

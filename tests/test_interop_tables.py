@@ -170,10 +170,13 @@ def test_shipped_store_exports_dense_measured_tables(db: str, tmp_path: Path) ->
     finally:
         store.close()
     shape = MoEShape(8, 4096, 14336, 2, 1, "bf16")
-    for m in (1024, 2048, 4096):  # measured: nothing beat FlagGems' choice
-        base = next(e for e in entries if e.tokens == m and e.status == "baseline")
-        expected = KernelConfig.parse(base.config).gemm1.to_triton()
+    for m in (1024, 2048, 4096):
+        # measured: nothing beat FlagGems' choice, and vLLM's row was at parity with it (a
+        # parity record) or not (a baseline record): the row is the record's config
+        (rec,) = [e for e in entries if e.tokens == m and e.status in ("baseline", "parity")]
+        expected = KernelConfig.parse(rec.config).gemm1.to_triton()
         assert vllm_lookup(out, "NVIDIA H200", 8, 14336, m) == expected
+    assert {e.status for e in entries if e.tokens in (1024, 2048, 4096)} == {"parity"}
     # M=512's verified entry is split: the row is the baseline it was measured against
     split = next(e for e in entries if e.tokens == 512)
     assert KernelConfig.parse(split.config).gemm1 != KernelConfig.parse(split.config).gemm2

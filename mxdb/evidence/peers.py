@@ -122,6 +122,7 @@ ENTRY_REASONS: tuple[str, ...] = (
     "adjacent_routing",
     "neighbour_tokens",
     "neighbour_tokens_adjacent_routing",
+    "peer_parity",
 )
 #: The labels of a point's runs; ``d`` is absent where mxdb's choice ignores the routing.
 LABELS: tuple[str, ...] = ("a", "b", "c", "d", "ctl1", "ctl2")
