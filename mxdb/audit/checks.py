@@ -21,9 +21,11 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from mxdb.audit.claims import Context, audit_claim
 from mxdb.audit.compare import Tol, same
 from mxdb.audit.fastschema import compile_schema
 from mxdb.audit.findings import AuditOptions, AuditResult, BundleResult, Finding
+from mxdb.audit.kinds import KINDS
 from mxdb.audit.store_export import (
     check_shipped_export,
     check_store_export,
@@ -566,12 +568,12 @@ class _BundleAudit:
                 from mxdb.audit.peers import check_peers
 
                 check_peers(self, "peers.json", doc, runs, traces, tol)
-        if "lean_layer.json" in contents:
-            doc = self.parse("lean_layer.json", contents["lean_layer.json"], "mxdb.lean-layer")
-            if doc is not None:
-                from mxdb.audit.lean_layer import check_lean_layer
-
-                check_lean_layer(self, "lean_layer.json", doc, tol)
+        ctx = Context(runs=runs, traces=traces, contents=contents, fp_hash=self.fp_hash)
+        for kind in KINDS:
+            if kind.document in contents:
+                doc = self.parse(kind.document, contents[kind.document], kind.schema)
+                if doc is not None:
+                    audit_claim(kind, self, doc, ctx, tol)
         if "serving.json" in contents:
             doc = self.parse("serving.json", contents["serving.json"], "mxdb.serving")
             if doc is not None:

@@ -13,9 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mxdb.audit.compare import Tol
+from mxdb.audit.claims import ClaimKind, Context, Path_, Unit
 from mxdb.audit.findings import FindingSink
-from mxdb.audit.peers import Path_, check_targets, compare_claims
 from mxdb.configs import config_hash
 from mxdb.evidence import stats
 from mxdb.evidence.lean_layer import DECODE_MAX_TOKENS, SERIES, TARGETS, build_lean_layer
@@ -43,8 +42,7 @@ def _code(path: Path_) -> str:
     return "lean_layer.field_mismatch"
 
 
-def _point_problems(sink: FindingSink, rel: str, i: int, p: Mapping[str, Any]) -> bool:
-    where = f"points[{i}]"
+def _point_ok(sink: FindingSink, rel: str, where: str, p: Mapping[str, Any], _: Context) -> bool:
     bad = False
     for name in SERIES:
         samples = p["samples"][name]
@@ -116,20 +114,10 @@ def _point_problems(sink: FindingSink, rel: str, i: int, p: Mapping[str, Any]) -
                     c[key],
                     "correctness is not the verdict of its errors against the dtype's table",
                 )
-    return bad
+    return not bad
 
 
-def check_lean_layer(sink: FindingSink, rel: str, doc: Mapping[str, Any], tol: Tol) -> None:
-    """Audit one ``lean_layer.json``: samples, inputs, figures and targets."""
-    if sink.fp_hash is not None and doc["fingerprint_hash"] != sink.fp_hash:
-        sink.add(
-            "lean_layer.fingerprint_mismatch",
-            rel,
-            "fingerprint_hash",
-            sink.fp_hash,
-            doc["fingerprint_hash"],
-            "the claim names another environment than the bundle's fingerprint",
-        )
+def _preflight(sink: FindingSink, rel: str, doc: Mapping[str, Any], _: Context) -> bool:
     if doc["decode_max_tokens"] != DECODE_MAX_TOKENS:
         sink.add(
             "lean_layer.field_mismatch",
@@ -139,12 +127,11 @@ def check_lean_layer(sink: FindingSink, rel: str, doc: Mapping[str, Any], tol: T
             doc["decode_max_tokens"],
             "decode points are those with M at most 16",
         )
-    bad = False
-    for i, p in enumerate(doc["points"]):
-        bad |= _point_problems(sink, rel, i, p)
-    if bad:
-        return  # figures of invalid samples cannot be recomputed
-    recomputed = build_lean_layer(
+    return True
+
+
+def _figures(doc: Mapping[str, Any], _: Context) -> Mapping[str, Any]:
+    return build_lean_layer(
         doc["points"],
         milestone=doc["milestone"],
         fingerprint_hash=doc["fingerprint_hash"],
@@ -152,7 +139,16 @@ def check_lean_layer(sink: FindingSink, rel: str, doc: Mapping[str, Any], tol: T
         profile=doc["profile"],
         errors=doc["errors"],
     )
-    claimed = {k: v for k, v in doc.items() if k != "targets"}
-    recomputed.pop("targets")
-    compare_claims(sink, rel, claimed, recomputed, _code, tol)
-    check_targets(sink, rel, "lean_layer", doc["targets"], TARGETS, recomputed["figures"], tol)
+
+
+KIND = ClaimKind(
+    name="lean_layer",
+    document="lean_layer.json",
+    schema="mxdb.lean-layer",
+    codes=_code,
+    units=(Unit("points", check=_point_ok),),
+    figures=_figures,
+    targets=TARGETS,
+    preflight=_preflight,
+    whole_document=True,
+)

@@ -12,16 +12,16 @@ bundle's traces), and a point whose recorded dispatch reason is a fallback must 
 FlagGems' config as (c).  A document of schema 1.2 is checked per instance (each instance's
 runs against its own trace, the same run checks), each instance's ``routing_class`` is
 recomputed from its trace (``mxdb.routing.classify``), and the pooled figures, per-instance
-verdicts and instance counts are recomputed by the same ``build_peers``.  Also the shared
-helpers the lean-layer audit uses: :func:`compare_claims` and :func:`check_targets`.
+verdicts and instance counts are recomputed by the same ``build_peers``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-from mxdb.audit.compare import Tol, same
+from mxdb.audit.claims import Path_, check_targets, compare_claims
+from mxdb.audit.compare import Tol
 from mxdb.audit.findings import FindingSink
 from mxdb.evidence.peers import (
     DECODE_MAX_TOKENS,
@@ -29,140 +29,11 @@ from mxdb.evidence.peers import (
     LABELS,
     ROLES,
     TARGETS,
-    TargetSpec,
     build_peers,
-    judge,
     trace_class,
     trace_figures,
 )
 from mxdb.shapes import preset_shape
-
-Path_ = tuple[str | int, ...]
-
-
-def _dotted(path: Path_) -> str:
-    out = ""
-    for p in path:
-        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else p)
-    return out
-
-
-def compare_claims(
-    sink: FindingSink,
-    rel: str,
-    claimed: Any,
-    recomputed: Any,
-    code_for: Callable[[Path_], str],
-    tol: Tol,
-    path: Path_ = (),
-) -> None:
-    """A finding for each leaf where the claim differs from its recomputation."""
-    if isinstance(claimed, dict) and isinstance(recomputed, dict):
-        for k in sorted(set(claimed) | set(recomputed)):
-            sub = (*path, k)
-            if k not in claimed or k not in recomputed:
-                sink.add(
-                    code_for(sub),
-                    rel,
-                    _dotted(sub),
-                    recomputed.get(k, "no field"),
-                    claimed.get(k, "no field"),
-                    "a claimed figure is missing" if k not in claimed else "an unknown field",
-                )
-            else:
-                compare_claims(sink, rel, claimed[k], recomputed[k], code_for, tol, sub)
-        return
-    if (
-        isinstance(claimed, list)
-        and isinstance(recomputed, list)
-        and len(claimed) == len(recomputed)
-    ):
-        for i, (c, r) in enumerate(zip(claimed, recomputed, strict=True)):
-            compare_claims(sink, rel, c, r, code_for, tol, (*path, i))
-        return
-    if not same(claimed, recomputed, *tol):
-        sink.add(
-            code_for(path),
-            rel,
-            _dotted(path),
-            recomputed,
-            claimed,
-            "claimed figure differs from its recomputation from the raw samples",
-        )
-
-
-def check_targets(
-    sink: FindingSink,
-    rel: str,
-    prefix: str,
-    claimed: Sequence[Mapping[str, Any]],
-    specs: Sequence[TargetSpec],
-    figures: Mapping[str, Any],
-    tol: Tol,
-) -> None:
-    """Targets: present, with mxdb's threshold, the recomputed value and the right verdict."""
-    by_name: dict[str, tuple[int, Mapping[str, Any]]] = {}
-    for i, t in enumerate(claimed):
-        by_name[str(t.get("name"))] = (i, t)
-    known = {s.name for s in specs}
-    for name, (i, _) in sorted(by_name.items()):
-        if name not in known:
-            sink.add(
-                f"{prefix}.target_missing",
-                rel,
-                f"targets[{i}].name",
-                " or ".join(sorted(known)),
-                name,
-                "a target mxdb does not define",
-            )
-    for spec in specs:
-        if spec.name not in by_name:
-            sink.add(
-                f"{prefix}.target_missing",
-                rel,
-                "targets",
-                spec.name,
-                "no such target",
-                "a target of this claim is not reported",
-            )
-            continue
-        i, t = by_name[spec.name]
-        where = f"targets[{i}]"
-        for key in ("figure", "comparison", "threshold"):
-            want = getattr(spec, key)
-            if not same(t.get(key), want, *tol):
-                sink.add(
-                    f"{prefix}.target_threshold_mismatch",
-                    rel,
-                    f"{where}.{key}",
-                    want,
-                    t.get(key),
-                    f"target {spec.name}'s {key} is not mxdb's",
-                )
-        measured = figures.get(spec.figure)
-        value = None if measured is None else float(measured)
-        if not same(t.get("measured"), value, *tol):
-            sink.add(
-                f"{prefix}.target_measured_mismatch",
-                rel,
-                f"{where}.measured",
-                value,
-                t.get("measured"),
-                f"target {spec.name}'s measured value is not the recomputed {spec.figure}",
-            )
-        verdict = judge(spec.comparison, value, spec.threshold)
-        if t.get("passed") is not verdict:
-            op = ">=" if spec.comparison == "ge" else "<="
-            sink.add(
-                f"{prefix}.target_verdict_mismatch",
-                rel,
-                f"{where}.passed",
-                verdict,
-                t.get("passed"),
-                f"target {spec.name} is {'met' if verdict else 'missed'}: "
-                f"{value} {op} {spec.threshold} is {verdict}",
-            )
-
 
 _POINT_CODES: dict[str, str] = {
     "median_us": "median_mismatch",

@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from mxdb.audit.claims import Path_, check_targets, compare_claims
 from mxdb.audit.compare import Tol
 from mxdb.audit.findings import FindingSink
-from mxdb.audit.peers import Path_, check_targets, compare_claims
 from mxdb.evidence import stats
 from mxdb.evidence.serving import (
     ARMS,

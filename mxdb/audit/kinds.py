@@ -1,0 +1,12 @@
+"""Every kind of evidence the audit knows, by declaration (:class:`mxdb.audit.claims.ClaimKind`).
+
+A new kind of evidence adds its declaration here; :mod:`mxdb.audit.checks` audits each one
+whose document a bundle holds with :func:`mxdb.audit.claims.audit_claim`.
+"""
+
+from __future__ import annotations
+
+from mxdb.audit import lean_layer
+from mxdb.audit.claims import ClaimKind
+
+KINDS: tuple[ClaimKind, ...] = (lean_layer.KIND,)
