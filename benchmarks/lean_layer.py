@@ -77,13 +77,10 @@ SERIES_KEYS = {
 
 def publish(raw_path: Path, bundle: Path) -> None:
     """Write the lean-layer evidence bundle from the raw JSON (figures computed by mxdb)."""
-    import shutil
 
     from mxdb.configs import config_hash
-    from mxdb.evidence.files import atomic_write, dumps
     from mxdb.evidence.lean_layer import LEAN_LAYER_FILE, LeanLayerDoc, build_lean_layer
-    from mxdb.evidence.models import FingerprintDoc
-    from mxdb.evidence.writer import make_correctness, write_manifest
+    from mxdb.evidence.writer import make_correctness, publish_bundle
     from mxdb.models import Fingerprint
     from mxdb.shapes import preset_shape
 
@@ -120,19 +117,12 @@ def publish(raw_path: Path, bundle: Path) -> None:
         errors=raw.get("errors", []),
     )
     doc = LeanLayerDoc.model_validate(doc).to_json_dict()
-    tmp = bundle.with_name(bundle.name + ".new")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    fdoc = FingerprintDoc(fingerprint=fp, hash=fp.hash).to_json_dict()
-    atomic_write(tmp / "fingerprint.json", dumps(fdoc))
-    atomic_write(tmp / LEAN_LAYER_FILE, dumps(doc))
-    (tmp / "report").mkdir()
-    atomic_write_text(tmp / "report" / "lean_layer.md", render(doc))
-    write_manifest(tmp, bundle_id=bundle.name, milestone=milestone)
-    if bundle.exists():
-        shutil.rmtree(bundle)
-    tmp.rename(bundle)
+    publish_bundle(
+        bundle,
+        fingerprint=fp,
+        files={LEAN_LAYER_FILE: doc, "report/lean_layer.md": render(doc)},
+        milestone=milestone,
+    )
 
 
 def render(doc: dict[str, Any]) -> str:

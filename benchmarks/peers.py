@@ -427,20 +427,17 @@ def publish(raw_path: Path, bundle: Path) -> None:
     one the raw output recorded, and every figure of ``peers.json`` is computed from the runs'
     raw samples by ``mxdb.evidence.peers.build_peers`` (the auditor's own function).
     """
-    import shutil
 
     from mxdb.evidence.files import atomic_write, dumps
     from mxdb.evidence.peers import PEERS_FILE, build_peers, to_json, trace_class, trace_figures
     from mxdb.evidence.summary import load_runs
-    from mxdb.evidence.writer import BundleWriter, write_manifest
+    from mxdb.evidence.writer import BundleWriter, finish_bundle, staging_dir
     from mxdb.models import Fingerprint
     from mxdb.shapes import preset_shape
 
     raw = json.loads(raw_path.read_text())
     fp = Fingerprint(**raw["fingerprint"])
-    tmp = bundle.with_name(bundle.name + ".new")
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    tmp = staging_dir(bundle)
     milestone = bundle.name
     w = BundleWriter(tmp, milestone=milestone, fingerprint=fp, bundle_id=bundle.name)
     points: list[dict[str, Any]] = []
@@ -551,10 +548,7 @@ def publish(raw_path: Path, bundle: Path) -> None:
     atomic_write(tmp / PEERS_FILE, dumps(doc))
     atomic_write_text(tmp / "report" / "peers.md", render(doc))
     plots(doc, tmp / "report")
-    write_manifest(tmp, bundle_id=w.bundle_id, milestone=milestone)
-    if bundle.exists():
-        shutil.rmtree(bundle)
-    tmp.rename(bundle)
+    finish_bundle(tmp, bundle, bundle_id=w.bundle_id, milestone=milestone)
 
 
 def render(doc: dict[str, Any]) -> str:

@@ -930,10 +930,7 @@ def publish(
     warm_steps: int = 5,
 ) -> Path:
     """Write the serving evidence bundle from the two raw files (figures computed by mxdb)."""
-    import shutil
 
-    from mxdb.evidence.files import atomic_write, dumps
-    from mxdb.evidence.models import FingerprintDoc
     from mxdb.evidence.serving import (
         REPORT_FILE,
         SERVING_FILE,
@@ -941,7 +938,7 @@ def publish(
         notes_from_text,
         render_report,
     )
-    from mxdb.evidence.writer import write_manifest
+    from mxdb.evidence.writer import publish_bundle
 
     milestone = bundle.name
     notes = notes_from_text(notes_path.read_text()) if notes_path is not None else []
@@ -956,19 +953,12 @@ def publish(
         ladder_reps=ladder_reps,
         warm_steps=warm_steps,
     )
-    tmp = bundle.with_name(bundle.name + ".new")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    fdoc = FingerprintDoc(fingerprint=fp, hash=fp.hash).to_json_dict()
-    atomic_write(tmp / "fingerprint.json", dumps(fdoc))
-    atomic_write(tmp / SERVING_FILE, dumps(doc))
-    atomic_write_text(tmp / REPORT_FILE, render_report(doc))
-    write_manifest(tmp, bundle_id=bundle.name, milestone=milestone)
-    if bundle.exists():
-        shutil.rmtree(bundle)
-    tmp.rename(bundle)
-    return bundle
+    return publish_bundle(
+        bundle,
+        fingerprint=fp,
+        files={SERVING_FILE: doc, REPORT_FILE: render_report(doc)},
+        milestone=milestone,
+    )
 
 
 def main() -> None:

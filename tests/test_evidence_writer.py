@@ -206,3 +206,25 @@ def test_manifest_round_trip_over_random_trees(
     assert m.files == {rel: sha256_hex(d) for rel, d in written.items()}
     loaded = json.loads((root / "manifest.json").read_text())
     assert loaded["files"] == m.files and loaded["digest"] == manifest_digest(m.files)
+
+
+def test_publish_bundle_replaces_a_bundle_only_once_it_is_complete(tmp_path: Path) -> None:
+    from mxdb.audit import AuditOptions, audit_paths
+    from mxdb.evidence.writer import publish_bundle
+
+    fp = H200
+    bundle = tmp_path / "b"
+    publish_bundle(bundle, fingerprint=fp, files={"report/a.md": "one\n"}, milestone="m")
+    assert (bundle / "report" / "a.md").read_text() == "one\n"
+    assert json.loads((bundle / "fingerprint.json").read_text())["hash"] == fp.hash
+    res = audit_paths([bundle], AuditOptions())
+    assert not res.findings, res.findings
+    # a document that cannot be written: the old bundle stays as it was, whole
+    with pytest.raises(ValueError):
+        publish_bundle(bundle, fingerprint=fp, files={"x.json": {"v": math.nan}}, milestone="m")
+    assert (bundle / "report" / "a.md").read_text() == "one\n" and (
+        bundle / "manifest.json"
+    ).exists()
+    publish_bundle(bundle, fingerprint=fp, files={"report/a.md": "two\n"}, milestone="m")
+    assert (bundle / "report" / "a.md").read_text() == "two\n"
+    assert not (tmp_path / "b.new").exists()

@@ -335,6 +335,51 @@ def write_manifest(root: Path, *, bundle_id: str, milestone: str) -> Manifest:
     return manifest
 
 
+def staging_dir(bundle: Path) -> Path:
+    """An empty folder beside ``bundle`` (``<name>.new``) to build its replacement in."""
+    import shutil
+
+    tmp = Path(bundle).with_name(Path(bundle).name + ".new")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def finish_bundle(tmp: Path, bundle: Path, *, bundle_id: str, milestone: str) -> Path:
+    """Write ``tmp``'s manifest (last, so a bundle without one is unfinished), then put ``tmp``
+    in the place of ``bundle`` (an older bundle there is replaced)."""
+    import shutil
+
+    write_manifest(tmp, bundle_id=bundle_id, milestone=milestone)
+    bundle = Path(bundle)
+    if bundle.exists():
+        shutil.rmtree(bundle)
+    tmp.rename(bundle)
+    return bundle
+
+
+def publish_bundle(
+    bundle: Path,
+    *,
+    fingerprint: Fingerprint,
+    files: Mapping[str, str | Mapping[str, Any]],
+    milestone: str,
+    bundle_id: str | None = None,
+) -> Path:
+    """Write a bundle of documents: fingerprint.json, then ``files`` (bundle-relative name ->
+    a JSON document or the text of a report), then the manifest; built beside ``bundle`` and
+    moved into its place at the end, so a reader never sees half of it."""
+    tmp = staging_dir(bundle)
+    fp_doc = FingerprintDoc(fingerprint=fingerprint, hash=fingerprint.hash)
+    atomic_write(tmp / "fingerprint.json", dumps(fp_doc.to_json_dict()))
+    for rel, content in files.items():
+        path = tmp / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, content.encode() if isinstance(content, str) else dumps(dict(content)))
+    return finish_bundle(tmp, bundle, bundle_id=bundle_id or Path(bundle).name, milestone=milestone)
+
+
 def write_document_bundle(
     out_dir: Path,
     *,
@@ -356,14 +401,11 @@ def write_document_bundle(
             f"cannot write a {kind} bundle to {root}: it exists and is not an empty "
             "directory; choose a new directory or remove the old bundle"
         )
-    root.mkdir(parents=True, exist_ok=True)
-    fp_doc = FingerprintDoc(fingerprint=fingerprint, hash=fingerprint.hash)
-    atomic_write(root / "fingerprint.json", dumps(fp_doc.to_json_dict()))
-    atomic_write(root / file_name, dumps(dict(document)))
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    write_manifest(
+    return publish_bundle(
         root,
-        bundle_id=bundle_id or f"{milestone}-{stamp}-{secrets.token_hex(3)}",
+        fingerprint=fingerprint,
+        files={file_name: document},
         milestone=milestone,
+        bundle_id=bundle_id or f"{milestone}-{stamp}-{secrets.token_hex(3)}",
     )
-    return root
