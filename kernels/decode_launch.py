@@ -19,7 +19,8 @@ Two cache levels, so that a key changing every decode step (the attention span o
   one JIT launch.  A new exact key with a known specialization key builds its replay from the
   template without launching through Triton.
 
-Recording (:func:`record`) hooks ``launcher_cls.__call__`` for the duration of one JIT launch, and
+Recording (:func:`record`, also the recorder of :func:`mxdb.kernels.layer.record_plan`: one Triton
+launch recorder for the package) hooks ``launcher_cls.__call__`` for the duration of one JIT launch, and
 the launcher's ``launch`` attribute inside it, so it sees both the launcher call (stable across
 Triton 3.x: grid, stream, function, packed metadata, launch metadata, two hooks, kernel
 arguments) and the compiled launch function's own argument layout (which differs between Triton

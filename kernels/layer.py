@@ -63,34 +63,24 @@ def record_plan(
     ``RuntimeError`` when a step launched nothing or Triton's argument layout is not the flat one
     this recorder knows: the caller then keeps the pipeline.
     """
+    from mxdb.kernels.decode_launch import record
     from triton.runtime import driver
 
     cls = driver.active.launcher_cls
-    orig = cls.__call__
-    inputs = (x, tw, ids, pipe.out)
     slots = ((X, x), (TOPK_WEIGHTS, tw), (TOPK_IDS, ids), (OUT, pipe.out))
     steps: list[Step] = []
-    for kind, thunk in pipe.steps(*inputs):
+    for kind, thunk in pipe.steps(x, tw, ids, pipe.out):
         if kind == "torch":
             steps.append((thunk, [], (), -1))
             thunk()
             continue
-        log: list[tuple[Any, ...]] = []
-
-        def rec(
-            self: Any, gx: int, gy: int, gz: int, stream: Any, function: Any, *args: Any
-        ) -> Any:
-            log.append((self, gx, gy, gz, function, args))  # noqa: B023
-            return orig(self, gx, gy, gz, stream, function, *args)
-
-        cls.__call__ = rec
-        try:
-            thunk()
-        finally:
-            cls.__call__ = orig
-        if not log:
+        seen, _ = record(cls, thunk)
+        if not seen:
             raise RuntimeError(f"step {len(steps)} launched no Triton kernel")
-        for launcher, gx, gy, gz, function, args in log:
+        for launcher, call, _ in seen:
+            # a launcher call: grid x, y, z, stream, function, then the launcher's arguments
+            gx, gy, gz, _stream, function, *rest = call
+            args = tuple(rest)
             if any(isinstance(a, (tuple, list)) for a in args[4:]):
                 # A newer Triton packs the kernel arguments into one tuple: the call's tensors
                 # would not be found by identity and the replay would reuse the recording's.
