@@ -40,6 +40,7 @@ REGISTRY: dict[str, tuple[str, str, str]] = {
     "lean-layer": ("mxdb.evidence.lean_layer:LeanLayerDoc", "1.0", "serialization"),
     "self-healing": ("mxdb.evidence.healing:SelfHealingDoc", "1.0", "serialization"),
     "serving": ("mxdb.evidence.serving:ServingDoc", "1.1", "serialization"),
+    "stages": ("mxdb.evidence.stages:StagesDoc", "1.0", "serialization"),
 }
 
 #: The document name a file declares in its "schema" field -> registry name.
@@ -59,6 +60,7 @@ DOCUMENT_NAMES: dict[str, str] = {
     "mxdb.lean-layer": "lean-layer",
     "mxdb.self-healing": "self-healing",
     "mxdb.serving": "serving",
+    "mxdb.stages": "stages",
 }
 
 

@@ -190,6 +190,15 @@ CHECKS: dict[str, str] = {
     "serving.target_verdict_mismatch": "a serving target's pass flag is not its verdict",
     "serving.report_mismatch": "a serving bundle's report.md is not the rendering of serving.json",
     "serving.field_mismatch": "another serving field differs from its recomputation",
+    "stages.fingerprint_mismatch": "a stage profile names another environment than its bundle",
+    "stages.sample_invalid": "a stage-profile or bandwidth sample is not finite positive",
+    "stages.shape_mismatch": "a stage-profile point's shape is not its family's at its M",
+    "stages.config_hash_mismatch": "a stage-profile point's config hash is not its config's",
+    "stages.median_mismatch": "a stage median differs from the median of its samples",
+    "stages.figure_mismatch": "a stage-profile point's share, floor or touched-expert count differs",
+    "stages.bandwidth_mismatch": "a bandwidth median differs from its samples",
+    "stages.geomean_mismatch": "a stage-profile geometric mean or count differs",
+    "stages.field_mismatch": "another stage-profile field differs from mxdb's",
 }
 
 

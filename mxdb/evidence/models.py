@@ -41,6 +41,7 @@ KNOWN_VERSIONS: dict[str, tuple[str, ...]] = {
     "mxdb.lean-layer": ("1.0",),
     "mxdb.self-healing": ("1.0",),
     "mxdb.serving": ("1.0", "1.1"),
+    "mxdb.stages": ("1.0",),
 }
 
 RunRole = Literal["baseline", "candidate", "control", "peer"]

@@ -1,0 +1,199 @@
+"""Where the fused MoE layer's GPU time goes: each stage of the pipeline timed on its own.
+
+Usage (GPU host): python benchmarks/stage_profile.py run OUT.json [--deadline-s S]
+Usage (anywhere): python benchmarks/stage_profile.py publish OUT.json evidence/h200-stages
+
+For Mixtral-8x7B, Qwen3-30B-A3B and DeepSeek-V2-Lite (bf16) at M in {1, 4, 16, 64, 256, 1024}
+under uniform, Zipf(1.2) and hot-expert (half the tokens to expert 0) routing, with FlagGems'
+own config: the pipeline's stages (align, GEMM1, activation, GEMM2, sum; see
+``mxdb.evidence.stages``) are each captured in a CUDA graph of their own launches, next to a
+graph of the whole layer, and timed interleaved in a random order per round (the buffers hold
+a real call's data, so every stage reads what it reads in the layer).  The device-to-device
+copy bandwidth and a streaming-read bandwidth (a float32 sum over 2 GiB of bf16) are measured
+in the same process, and the dense bf16 matmul rate (8192^3, torch) for the compute floor.
+
+``publish`` writes the bundle: ``fingerprint.json``, ``stages.json`` (``mxdb.stages``: raw
+samples, routing generators and every figure, recomputed by ``mxdb audit``) and
+``report/stages.md``.
+"""
+
+# ruff: noqa: B023  (the timed lambdas run before their loop variables change)
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from mxdb.fileio import atomic_write_text
+
+FAMILIES = ("mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v2-lite")
+TOKENS = (1, 4, 16, 64, 256, 1024)
+#: routing kind -> mxdb.routing_gen parameters
+ROUTINGS: dict[str, dict[str, Any]] = {
+    "uniform": {},
+    "zipf": {"s": 1.2},
+    "hot": {"fraction": 0.5, "hot_expert": 0},
+}
+ROUNDS = 10
+
+
+def bandwidths(torch: Any, reps: int = 20) -> tuple[list[float], list[float], list[float]]:
+    """Copy (read + write bytes) and streaming-read bandwidth samples, bytes per second, and
+    dense bf16 matmul rate samples (8192^3), FLOP per second."""
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    r = torch.ones(n, dtype=torch.bfloat16, device="cuda")
+
+    def timed(fn: Any) -> list[float]:
+        for _ in range(3):
+            fn()
+        out = []
+        for _ in range(reps):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            out.append(s.elapsed_time(e) / 1000)
+        return out
+
+    copy = [2 * n / t for t in timed(lambda: b.copy_(a))]
+    read = [2 * n / t for t in timed(lambda: r.sum(dtype=torch.float32))]
+    s = 8192
+    x = torch.randn(s, s, dtype=torch.bfloat16, device="cuda")
+    y = torch.randn(s, s, dtype=torch.bfloat16, device="cuda")
+    mm = [2 * s**3 / t for t in timed(lambda: x @ y)]
+    return copy, read, mm
+
+
+def run(a: argparse.Namespace) -> None:
+    import numpy as np
+    import torch
+    from mxdb.kernels.backend import GpuBackend
+    from mxdb.kernels.compile import specs_for
+    from mxdb.kernels.layer import flaggems_kernel_config
+    from mxdb.kernels.live import live_fingerprint_components
+    from mxdb.kernels.pipeline import MoEPipeline
+    from mxdb.kernels.reference import make_activations, make_weights
+    from mxdb.kernels.timing import time_interleaved
+
+    from mxdb.routing_gen import generate
+    from mxdb.shapes import preset_shape
+
+    t0 = time.monotonic()
+    copy, read, mm = bandwidths(torch)
+    doc: dict[str, Any] = {
+        "fingerprint": live_fingerprint_components(),
+        "copy_samples": copy,
+        "read_samples": read,
+        "matmul_samples": mm,
+        "points": [],
+        "errors": [],
+    }
+    backend = GpuBackend()
+    for fi, preset in enumerate(FAMILIES):
+        fam = preset_shape(preset, 1, "bf16")
+        w1, w2 = make_weights(fam, fi)
+        backend.compile_raw([s for m in TOKENS
+                             for s in specs_for(fam.with_tokens(m), flaggems_kernel_config(fam.with_tokens(m)))])  # fmt: skip
+        for m in TOKENS:
+            shape = fam.with_tokens(m)
+            cfg = flaggems_kernel_config(shape)
+            for kind, params in ROUTINGS.items():
+                if time.monotonic() - t0 > a.deadline_s:
+                    doc["errors"].append(f"{preset} M={m} {kind}: not timed (deadline)")
+                    continue
+                seed = 1000 * fi + m
+                ids_np = generate(kind, m, shape.experts, shape.topk, seed, **params)
+                ids_t = torch.from_numpy(np.ascontiguousarray(ids_np, dtype=np.int32)).cuda()
+                x, tw, ids = make_activations(shape, seed, ids_t, "cuda")
+                pipe = MoEPipeline(shape, cfg, w1, w2)
+                pipe(x, tw, ids)
+                steps = [thunk for _, thunk in pipe.steps(x, tw, ids, pipe.out)]
+                groups = {
+                    "align": steps[:-4],
+                    "gemm1": steps[-4:-3],
+                    "activation": steps[-3:-2],
+                    "gemm2": steps[-2:-1],
+                    "sum": steps[-1:],
+                }
+                names = [n for n, g in groups.items() if g] + ["layer"]
+                fns: list[Any] = [(lambda g=groups[n]: [f() for f in g]) for n in names[:-1]]
+                fns.append(lambda: pipe(x, tw, ids))
+                calls = 8 if m <= 64 else 2
+                g = time_interleaved(fns, reps=ROUNDS, method="graph", calls_per_sample=calls,
+                                     warmup=2, order_seed=seed)  # fmt: skip
+                samples = dict(zip(names, g, strict=True))
+                samples.setdefault("align", [])
+                doc["points"].append({
+                    "family": preset, "tokens": m, "config": cfg.model_dump(),
+                    "routing": {"kind": kind, "seed": seed, "params": params},
+                    "samples": samples,
+                })  # fmt: skip
+                print(f"{preset} M={m} {kind}: layer {np.median(samples['layer']):.1f} us "
+                      f"at {time.monotonic() - t0:.0f}s", flush=True)  # fmt: skip
+        del w1, w2
+        torch.cuda.empty_cache()
+    backend.close()
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(a.out, json.dumps(doc))
+
+
+def publish(raw_path: Path, bundle: Path) -> Path:
+    """Write the stage-profile bundle from the raw JSON (every figure computed by mxdb)."""
+    from mxdb.configs import KernelConfig
+    from mxdb.evidence.stages import STAGES_FILE, StagesDoc, build_stages, render
+    from mxdb.evidence.writer import publish_bundle
+    from mxdb.models import Fingerprint
+    from mxdb.shapes import preset_shape
+
+    raw = json.loads(raw_path.read_text())
+    fp = Fingerprint(**raw["fingerprint"])
+    points = []
+    for p in raw["points"]:
+        cfg = KernelConfig.model_validate(p["config"])
+        points.append({
+            "family": p["family"], "tokens": p["tokens"],
+            "shape": preset_shape(p["family"], p["tokens"], "bf16").to_dict(),
+            "routing": p["routing"], "config": p["config"], "config_hash": cfg.hash,
+            "samples": p["samples"],
+        })  # fmt: skip
+    doc = build_stages(
+        points,
+        milestone=bundle.name,
+        fingerprint_hash=fp.hash,
+        copy_samples=raw["copy_samples"],
+        read_samples=raw["read_samples"],
+        matmul_samples=raw["matmul_samples"],
+        errors=raw.get("errors", []),
+    )
+    doc = StagesDoc.model_validate(doc).to_json_dict()
+    return publish_bundle(
+        bundle,
+        fingerprint=fp,
+        files={STAGES_FILE: doc, "report/stages.md": render(doc)},
+        milestone=bundle.name,
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="time the stages on this GPU (writes the raw JSON)")
+    r.add_argument("out", type=Path)
+    r.add_argument("--deadline-s", type=float, default=240.0)
+    p = sub.add_parser("publish", help="write the evidence bundle from the raw JSON")
+    p.add_argument("raw", type=Path)
+    p.add_argument("bundle", type=Path)
+    a = ap.parse_args()
+    if a.cmd == "run":
+        run(a)
+    else:
+        print(publish(a.raw, a.bundle))
+
+
+if __name__ == "__main__":
+    main()

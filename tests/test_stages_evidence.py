@@ -1,0 +1,128 @@
+"""Stage-profile evidence (``stages.json``): publish from raw output, audit, tampering findings."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mxdb.audit import CHECKS, audit_paths
+from mxdb.evidence.files import dumps
+from mxdb.evidence.stages import STAGES, touched_experts
+from mxdb.evidence.writer import write_manifest
+from mxdb.fingerprint import H200
+from mxdb.shapes import memory_floor_bytes
+
+REPO = Path(__file__).resolve().parent.parent
+FP = {k: v for k, v in H200.items() if k != "mxdb"}
+GEMM = {"block_m": 16, "block_n": 64, "block_k": 128, "group_m": 1, "num_warps": 4}
+CFG = {"gemm1": {**GEMM, "num_stages": 3}, "gemm2": {**GEMM, "num_stages": 3}, "align_block": 16}
+
+
+def _publish() -> Any:
+    path = REPO / "benchmarks" / "stage_profile.py"
+    spec = importlib.util.spec_from_file_location("bench_stage_profile", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.publish
+
+
+def _raw() -> dict[str, Any]:
+    """A small stage_profile.py raw output: Mixtral M=1 uniform (no align stage) and Qwen3-30B-A3B
+    M=64 Zipf."""
+    rng = random.Random(5)
+
+    def s(center: float) -> list[float]:
+        return [center * (1 + rng.uniform(-0.01, 0.01)) for _ in range(10)]
+
+    points = []
+    for fam, m, kind, params, align in (
+        ("mixtral-8x7b", 1, "uniform", {}, None),
+        ("qwen3-30b-a3b", 64, "zipf", {"s": 1.2}, 5.0),
+    ):
+        samples = {"gemm1": s(120.0), "activation": s(2.0), "gemm2": s(60.0), "sum": s(2.0)}
+        samples["align"] = s(align) if align else []
+        samples["layer"] = s(190.0 if align else 185.0)
+        points.append({"family": fam, "tokens": m, "config": CFG,
+                       "routing": {"kind": kind, "seed": m, "params": params},
+                       "samples": samples})  # fmt: skip
+    return {
+        "fingerprint": FP,
+        "copy_samples": [4.2e12 * (1 + rng.uniform(-0.01, 0.01)) for _ in range(20)],
+        "read_samples": [4.6e12 * (1 + rng.uniform(-0.01, 0.01)) for _ in range(20)],
+        "matmul_samples": [7.5e14 * (1 + rng.uniform(-0.01, 0.01)) for _ in range(20)],
+        "points": points,
+        "errors": [],
+    }
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("stages")
+    raw = root / "raw.json"
+    raw.write_text(json.dumps(_raw()))
+    return Path(_publish()(raw, root / "h200-stages"))
+
+
+def _audit(path: Path) -> list[Any]:
+    return list(audit_paths([path]).findings)
+
+
+def test_published_bundle_audits_clean_with_figures_from_the_samples(bundle: Path) -> None:
+    assert _audit(bundle) == []
+    doc = json.loads((bundle / "stages.json").read_text())
+    p0, p1 = doc["points"]
+    assert p0["samples"]["align"] == [] and p0["median_us"]["align"] == 0.0
+    assert sum(p0["share"][s] for s in STAGES) == pytest.approx(1.0)
+    assert p1["gemm_share"] == pytest.approx(180 / 189, rel=0.02)
+    # the touched experts come from the regenerated routing, the floor from their weights
+    assert p0["active_experts"] == 2
+    assert 8 < p1["active_experts"] == touched_experts(p1["routing"], 64, 128, 8) < 128
+    bw = doc["bandwidth"]["copy_bytes_per_s"]
+    floor = memory_floor_bytes(p1["active_experts"], 2048, 768, "bf16") / bw * 1e6
+    assert p1["floor_us_copy"] == pytest.approx(floor)
+    assert p1["floor_fraction_copy"] == pytest.approx(floor / p1["median_us"]["layer"])
+    compute = 6 * 64 * 8 * 2048 * 768 / doc["bandwidth"]["matmul_flops_per_s"] * 1e6
+    assert p1["compute_floor_us"] == pytest.approx(compute)
+    assert p1["bound_fraction"] == pytest.approx(max(floor, compute) / p1["median_us"]["layer"])
+    assert doc["figures"]["n_decode_uniform"] == 1 and doc["figures"]["n_large_skewed"] == 1
+    assert (bundle / "report" / "stages.md").read_text().startswith("# Where the fused MoE")
+
+
+@pytest.mark.parametrize(
+    ("edit", "code"),
+    [
+        (lambda d: d["points"][1]["median_us"].__setitem__("gemm1", 99.0), "stages.median_mismatch"),
+        (lambda d: d["points"][1].__setitem__("active_experts", 3), "stages.figure_mismatch"),
+        (lambda d: d["points"][1]["routing"].__setitem__("seed", 7), "stages.figure_mismatch"),
+        (lambda d: d["points"][0]["share"].__setitem__("sum", 0.5), "stages.figure_mismatch"),
+        (lambda d: d["points"][0]["samples"]["layer"].__setitem__(0, -1.0), "stages.sample_invalid"),
+        (lambda d: d["points"][0]["samples"].__setitem__("gemm1", []), "stages.sample_invalid"),
+        (lambda d: d["points"][0]["shape"].__setitem__("hidden", 1024), "stages.shape_mismatch"),
+        (lambda d: d["points"][0].__setitem__("config_hash", "0" * 16), "stages.config_hash_mismatch"),
+        (lambda d: d["bandwidth"].__setitem__("copy_bytes_per_s", 9e12), "stages.bandwidth_mismatch"),
+        (lambda d: d["points"][1].__setitem__("bound_fraction", 0.99), "stages.figure_mismatch"),
+        (lambda d: d["figures"].__setitem__("all_geomean_gemm_share", 0.5), "stages.geomean_mismatch"),
+        (lambda d: d.__setitem__("decode_max_tokens", 32), "stages.field_mismatch"),
+        (lambda d: d.__setitem__("fingerprint_hash", "0" * 16), "stages.fingerprint_mismatch"),
+    ],
+)  # fmt: skip
+def test_every_kind_of_edit_is_a_finding(
+    bundle: Path, tmp_path: Path, edit: Any, code: str
+) -> None:
+    dst = tmp_path / "b"
+    shutil.copytree(bundle, dst)
+    path = dst / "stages.json"
+    doc = json.loads(path.read_text())
+    edit(doc)
+    path.write_bytes(dumps(doc))
+    write_manifest(dst, bundle_id="h200-stages", milestone="h200-stages")
+    codes = {f.check for f in _audit(dst)}
+    assert code in codes, codes
+    assert code in CHECKS
