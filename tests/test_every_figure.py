@@ -123,6 +123,24 @@ KINDS: dict[str, tuple[str, str, tuple[str, ...]]] = {
             "targets[*].measured",
         ),
     ),
+    "stages": (
+        "h200-stages",
+        "stages.json",
+        (
+            "bandwidth.copy_bytes_per_s",
+            "bandwidth.matmul_flops_per_s",
+            "bandwidth.read_bytes_per_s",
+            "figures.*",
+            "points[*].active_experts",
+            "points[*].bound_fraction",
+            "points[*].compute_floor_us",
+            "points[*].floor_*",
+            "points[*].gemm_*",
+            "points[*].median_us.*",
+            "points[*].share.*",
+            "points[*].stages_over_layer",
+        ),
+    ),
 }
 
 Path_ = tuple[str | int, ...]
