@@ -22,7 +22,8 @@ import pytest
 
 from mxdb import verdict
 from mxdb.audit import CHECKS, audit_paths
-from mxdb.audit.serving import check_serving
+from mxdb.audit.claims import Context, audit_claim
+from mxdb.audit.serving import KIND
 from mxdb.errors import EvidenceError
 from mxdb.evidence import stats
 from mxdb.evidence.files import dumps
@@ -324,7 +325,7 @@ class _Sink:
 
 def _findings(doc: dict[str, Any]) -> list[str]:
     sink = _Sink()
-    check_serving(sink, SERVING_FILE, doc, TOL)
+    audit_claim(KIND, sink, doc, Context(), TOL)
     return sink.checks
 
 

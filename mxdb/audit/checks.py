@@ -399,13 +399,6 @@ class _BundleAudit:
                     "fingerprint hash is not the hash of its components",
                 )
 
-        if "survey.json" in contents:
-            survey = self.parse("survey.json", contents["survey.json"], "mxdb.compile-survey")
-            if survey is not None:
-                from mxdb.audit.survey import check_survey
-
-                check_survey(self, "survey.json", survey, self.tol)
-
         if "decode.json" in contents:
             decode = self.parse("decode.json", contents["decode.json"], "mxdb.decode")
             if decode is not None:
@@ -559,8 +552,8 @@ class _BundleAudit:
     def check_claims(
         self, contents: dict[str, bytes], runs: dict[str, Any], traces: dict[str, Any]
     ) -> None:
-        """The peers, lean-layer and serving claims (``peers.json``, ``lean_layer.json``,
-        ``serving.json``), if present."""
+        """The peers claim (``peers.json``) and every declared kind (:data:`KINDS`) whose
+        document the bundle holds."""
         tol = self.tol
         if "peers.json" in contents:
             doc = self.parse("peers.json", contents["peers.json"], "mxdb.peers")
@@ -574,12 +567,6 @@ class _BundleAudit:
                 doc = self.parse(kind.document, contents[kind.document], kind.schema)
                 if doc is not None:
                     audit_claim(kind, self, doc, ctx, tol)
-        if "serving.json" in contents:
-            doc = self.parse("serving.json", contents["serving.json"], "mxdb.serving")
-            if doc is not None:
-                from mxdb.audit.serving import check_serving
-
-                check_serving(self, "serving.json", doc, tol, contents.get("report.md"))
 
     def check_tuning_cost(self, contents: dict[str, bytes], runs: dict[str, Any]) -> None:
         from mxdb.audit.tuning_cost import TUNING_COST_NAME, check_tuning_cost

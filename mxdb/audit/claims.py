@@ -61,7 +61,9 @@ class ClaimKind:
 
     ``figures(doc, ctx)`` recomputes the document's derived part (every key it returns is
     compared leaf by leaf; ``targets`` are judged on ``result[figures_key]``); it runs only
-    when every unit passed its checks.  ``codes`` maps a leaf's path to its finding code (a
+    when every unit passed its checks; ``targets`` may be a function of the document (targets
+    that depend on its schema version) and ``target_figures(recomputed)`` the figures they
+    name when those are not one key of it.  ``codes`` maps a leaf's path to its finding code (a
     code without a dot gets the kind's prefix).  ``preflight(sink, rel, doc, ctx)`` holds
     document-level invariants and returns False when nothing else can be checked.
     """
@@ -72,8 +74,9 @@ class ClaimKind:
     codes: Callable[[Path_], str]
     units: Sequence[Unit] = ()
     figures: Callable[[Mapping[str, Any], Context], Mapping[str, Any]] | None = None
-    targets: Sequence[TargetSpec] = ()
+    targets: Sequence[TargetSpec] | Callable[[Mapping[str, Any]], Sequence[TargetSpec]] = ()
     figures_key: str = "figures"
+    target_figures: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
     preflight: Callable[[FindingSink, str, Mapping[str, Any], Context], bool] | None = None
     #: the document's key naming the environment it was measured in (None: not checked here)
     fingerprint_field: str | None = "fingerprint_hash"
@@ -141,11 +144,14 @@ def audit_claim(
         for key, value in recomputed.items():
             if key != "targets":
                 compare_claims(sink, rel, doc.get(key), value, kind.code, tol, (key,))
-    if kind.targets:
-        check_targets(
-            sink, rel, kind.name, doc.get("targets") or [], kind.targets,
-            recomputed.get(kind.figures_key) or {}, tol,
-        )  # fmt: skip
+    specs = kind.targets(doc) if callable(kind.targets) else kind.targets
+    if specs:
+        figures = (
+            kind.target_figures(recomputed)
+            if kind.target_figures is not None
+            else recomputed.get(kind.figures_key) or {}
+        )
+        check_targets(sink, rel, kind.name, doc.get("targets") or [], specs, figures, tol)
 
 
 def compare_claims(

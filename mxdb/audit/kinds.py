@@ -6,10 +6,12 @@ whose document a bundle holds with :func:`mxdb.audit.claims.audit_claim`.
 
 from __future__ import annotations
 
-from mxdb.audit import lean_layer, stages
+from mxdb.audit import lean_layer, serving, stages, survey
 from mxdb.audit.claims import ClaimKind
 
 KINDS: tuple[ClaimKind, ...] = (
     lean_layer.KIND,
+    serving.KIND,
     stages.KIND,
+    survey.KIND,
 )

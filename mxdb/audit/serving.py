@@ -1,15 +1,14 @@
-"""The audit of a serving claim (``serving.json``, ``mxdb.serving``): every figure from raw samples.
+"""The serving claim (``serving.json``, ``mxdb.serving``) declared for the claims engine.
 
-Checks, on a schema-valid document: its fingerprint is the bundle's; every timing sample and
-tokens/s chunk is a finite positive number; the hooked points' arms have one sample per round
-(``setup.rounds``) and the point's order seed is its token count (the benchmark's); the healing
-part's chunk counts fit its setup (steps, chunk, ladder repetitions) and the static phase
-slowed ``steps x slowed layers`` calls.  Then the whole document is rebuilt with
-:func:`mxdb.evidence.serving.build_serving` (the writer's own function, which judges every
-point with :func:`mxdb.verdict.compare`) from its inputs and compared leaf by leaf within the
-audit's tolerance, and each target's threshold, measured value and verdict are checked.
-``report.md``, when present, must be exactly :func:`mxdb.evidence.serving.render_report` of
-the document.
+The preflight checks the samples first (every timing sample and tokens/s chunk a finite
+positive number), then the layout on valid samples: the hooked points' arms have one sample per
+round (``setup.rounds``), each point's path is the one its hook counters and dispatch decision
+give and its order seed its token count (the benchmark's); the healing part's chunk counts fit
+its setup (steps, chunk, ladder repetitions) and the static phase slowed ``steps x slowed
+layers`` calls.  It also checks the targets' statements, and ``report.md``, when present,
+against :func:`mxdb.evidence.serving.render_report`.  On a valid layout the whole document is
+rebuilt with :func:`mxdb.evidence.serving.build_serving` (the writer's own function, which
+judges every point with :func:`mxdb.verdict.compare`) and its targets judged on its figures.
 """
 
 from __future__ import annotations
@@ -17,14 +16,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mxdb.audit.claims import Path_, check_targets, compare_claims
-from mxdb.audit.compare import Tol
+from mxdb.audit.claims import ClaimKind, Context, Path_
 from mxdb.audit.findings import FindingSink
 from mxdb.evidence import stats
 from mxdb.evidence.serving import (
     ARMS,
     HEALING_INPUTS,
     HOOKED_INPUTS,
+    REPORT_FILE,
     SMALL_TOKENS_MAX,
     build_serving,
     flat_figures,
@@ -34,7 +33,6 @@ from mxdb.evidence.serving import (
 )
 
 FALLBACK_PATHS = ("lean_fallback", "flaggems_fallback")
-
 #: At most this many findings of one per-sample check.
 MAX_ROW_FINDINGS = 20
 
@@ -58,51 +56,61 @@ _POINT_CODES: dict[str, str] = {
 def _code(path: Path_) -> str:
     keys = [str(k) for k in path if not isinstance(k, int)]
     if keys[:2] == ["hooked", "points"] and len(keys) >= 3:
-        return "serving." + _POINT_CODES.get(keys[2], "field_mismatch")
+        return _POINT_CODES.get(keys[2], "field_mismatch")
     if keys[:2] == ["hooked", "figures"] and len(keys) >= 3:
         k = keys[2]
         if "geomean" in k:
-            return "serving.geomean_mismatch"
-        if k == "capture_ok":
-            return "serving.capture_mismatch"
-        return "serving.count_mismatch"
+            return "geomean_mismatch"
+        return "capture_mismatch" if k == "capture_ok" else "count_mismatch"
     if keys[:2] == ["healing", "figures"] and len(keys) >= 3:
         k = keys[2]
         if k.startswith("ladder"):
-            return "serving.overhead_mismatch"
+            return "overhead_mismatch"
         if k.startswith("transitions") or k == "final_active":
-            return "serving.transition_mismatch"
-        if "_over_" in k:
-            return "serving.ratio_mismatch"
-        return "serving.throughput_mismatch"
-    return "serving.field_mismatch"
+            return "transition_mismatch"
+        return "ratio_mismatch" if "_over_" in k else "throughput_mismatch"
+    return "field_mismatch"
+
+
+def _preflight(sink: FindingSink, rel: str, doc: Mapping[str, Any], ctx: Context) -> bool:
+    if REPORT_FILE in ctx.contents:
+        _check_report(sink, REPORT_FILE, doc, ctx.contents[REPORT_FILE])
+    specs = {t.name: t for t in targets_for(doc["schema_version"])}
+    for i, t in enumerate(doc["targets"]):
+        spec = specs.get(str(t.get("name")))
+        if spec is not None and t.get("statement") != spec.statement:
+            sink.add(
+                "serving.target_threshold_mismatch",
+                rel,
+                f"targets[{i}].statement",
+                spec.statement,
+                t.get("statement"),
+                f"target {spec.name}'s statement is not mxdb's",
+            )
+    # the layout is checked on valid samples only, and the figures on a valid layout
+    return _samples_ok(sink, rel, doc) and _layout_ok(sink, rel, doc)
 
 
 def _samples_ok(sink: FindingSink, rel: str, doc: Mapping[str, Any]) -> bool:
-    bad = 0
     series: list[tuple[str, list[Any]]] = []
     for i, p in enumerate(doc["hooked"]["points"]):
         series += [(f"hooked.points[{i}].samples.{k}", p["samples"][k]) for k in ARMS]
     smp = doc["healing"]["samples"]
-    for k, v in smp.items():
-        if k == "ladder":
-            series += [(f"healing.samples.ladder.{r}", xs) for r, xs in v.items()]
-        else:
-            series.append((f"healing.samples.{k}", v))
+    series += [(f"healing.samples.{k}", v) for k, v in smp.items() if k != "ladder"]
+    series += [(f"healing.samples.ladder.{r}", xs) for r, xs in smp["ladder"].items()]
+    bad = 0
     for where, xs in series:
         invalid = [j for j, x in enumerate(xs) if not stats.valid_sample(x)]
-        if invalid:
-            bad += 1
-            if bad <= MAX_ROW_FINDINGS:
-                j = invalid[0]
-                sink.add(
-                    "serving.sample_invalid",
-                    rel,
-                    f"{where}[{j}]",
-                    "a finite positive number",
-                    xs[j],
-                    f"{len(invalid)} invalid sample(s)",
-                )
+        if invalid and (bad := bad + 1) <= MAX_ROW_FINDINGS:
+            j = invalid[0]
+            sink.add(
+                "serving.sample_invalid",
+                rel,
+                f"{where}[{j}]",
+                "a finite positive number",
+                xs[j],
+                f"{len(invalid)} invalid sample(s)",
+            )
     return bad == 0
 
 
@@ -210,60 +218,6 @@ def _layout_ok(sink: FindingSink, rel: str, doc: Mapping[str, Any]) -> bool:
     return ok
 
 
-def check_serving(
-    sink: FindingSink,
-    rel: str,
-    doc: Mapping[str, Any],
-    tol: Tol,
-    report_md: bytes | None = None,
-    report_rel: str = "report.md",
-) -> None:
-    """Audit one schema-valid ``serving.json`` (and its ``report.md``, when given)."""
-    if sink.fp_hash is not None and doc["fingerprint_hash"] != sink.fp_hash:
-        sink.add(
-            "serving.fingerprint_mismatch",
-            rel,
-            "fingerprint_hash",
-            sink.fp_hash,
-            doc["fingerprint_hash"],
-            "the claim names another environment than the bundle's fingerprint",
-        )
-    if report_md is not None:
-        _check_report(sink, report_rel, doc, report_md)
-    if not _samples_ok(sink, rel, doc) or not _layout_ok(sink, rel, doc):
-        return  # figures of invalid or misshapen samples cannot be recomputed
-    hk, hl = doc["hooked"], doc["healing"]
-    recomputed = build_serving(
-        {**{k: hk[k] for k in HOOKED_INPUTS}, "points": hk["points"]},
-        {
-            **{k: hl[k] for k in HEALING_INPUTS},
-            "ladder_counters": hl.get("ladder_counters"),
-        },
-        milestone=doc["milestone"],
-        fingerprint_hash=doc["fingerprint_hash"],
-        notes=doc["notes"],
-        schema_version=doc["schema_version"],
-    )
-    claimed = {k: v for k, v in doc.items() if k != "targets"}
-    figures = flat_figures(recomputed)
-    recomputed.pop("targets")
-    compare_claims(sink, rel, claimed, recomputed, _code, tol)
-    targets = targets_for(doc["schema_version"])
-    check_targets(sink, rel, "serving", doc["targets"], targets, figures, tol)
-    specs = {t.name: t for t in targets}
-    for i, t in enumerate(doc["targets"]):
-        spec = specs.get(str(t.get("name")))
-        if spec is not None and t.get("statement") != spec.statement:
-            sink.add(
-                "serving.target_threshold_mismatch",
-                rel,
-                f"targets[{i}].statement",
-                spec.statement,
-                t.get("statement"),
-                f"target {spec.name}'s statement is not mxdb's",
-            )
-
-
 def _check_report(sink: FindingSink, rel: str, doc: Mapping[str, Any], md: bytes) -> None:
     try:
         want = render_report(doc).encode()
@@ -286,3 +240,28 @@ def _check_report(sink: FindingSink, rel: str, doc: Mapping[str, Any], md: bytes
         got_lines[line] if line < len(got_lines) else "(end of file)",
         "report.md is not the rendering of serving.json (edited by hand?)",
     )
+
+
+def _figures(doc: Mapping[str, Any], _: Context) -> Mapping[str, Any]:
+    hk, hl = doc["hooked"], doc["healing"]
+    return build_serving(
+        {**{k: hk[k] for k in HOOKED_INPUTS}, "points": hk["points"]},
+        {**{k: hl[k] for k in HEALING_INPUTS}, "ladder_counters": hl.get("ladder_counters")},
+        milestone=doc["milestone"],
+        fingerprint_hash=doc["fingerprint_hash"],
+        notes=doc["notes"],
+        schema_version=doc["schema_version"],
+    )
+
+
+KIND = ClaimKind(
+    name="serving",
+    document="serving.json",
+    schema="mxdb.serving",
+    codes=_code,
+    figures=_figures,
+    targets=lambda doc: targets_for(doc["schema_version"]),
+    target_figures=flat_figures,
+    preflight=_preflight,
+    whole_document=True,
+)

@@ -1,12 +1,12 @@
-"""The audit of a compile survey (``survey.json``, ``mxdb.compile-survey``).
+"""The compile survey (``survey.json``, ``mxdb.compile-survey``) declared for the claims engine.
 
-Re-runs the resource proxy (``mxdb.resources.estimate``, CPU only) over every grid config under
-the recorded device profile and Triton release, and checks: the fingerprint and profile agree,
-every compile record is self-consistent, the grid is the declared one and complete (each config
-once, each naming a compilation with its key and status), the GROUP_SIZE_M controls back the
-grid's expansion, the proxy's recorded verdicts are its verdicts, no config that compiled is
-rejected, at least ``PROXY_THRESHOLD`` of the failures are rejected, and every claimed figure is
-the one recomputed from the raw rows.
+The preflight re-runs the resource proxy (``mxdb.resources.estimate``, CPU only) over the grid
+under the recorded device profile and Triton release and checks: the fingerprint hash and the
+profile agree with the fingerprint, every compile record is self-consistent, the grid is the
+declared one and complete (each config once, naming a compilation with its key and status), the
+GROUP_SIZE_M controls back the grid's expansion, the recorded verdicts are the proxy's, no
+config that compiled is rejected and at least ``PROXY_THRESHOLD`` of the failures are.  The
+claims are recomputed from the grid's rows with :func:`mxdb.evidence.survey.survey_figures`.
 """
 
 from __future__ import annotations
@@ -17,12 +17,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from mxdb.audit.compare import Tol, same
+from mxdb.audit.claims import ClaimKind, Context, Path_
 from mxdb.audit.findings import FindingSink
 from mxdb.errors import MxdbError
 from mxdb.evidence.survey import (
     COMPILE_KEY,
-    COMPILE_STATUSES,
     PROXY_THRESHOLD,
     key_of,
     proxy_verdict,
@@ -41,19 +40,11 @@ _PROFILE_FACTS = ("device_name", "arch", "sm_count", "smem_per_block", "warp_siz
 _COUNT_FIELDS = ("grid_configs", "distinct_compiles", "by_status", "distinct_by_status", "failures")
 
 
-def _leaves(prefix: str, x: Any) -> dict[str, Any]:
-    if isinstance(x, dict):
-        out: dict[str, Any] = {}
-        for k, v in x.items():
-            out.update(_leaves(f"{prefix}.{k}", v))
-        return out
-    return {prefix: x}
-
-
 class _Limited:
-    """Per-check finding counter: detail for the first few rows, a count for the rest."""
+    """Findings with detail for the first few rows of each check and a count for the rest;
+    with no sink, only the grid walk (to recompute the figures)."""
 
-    def __init__(self, sink: FindingSink, file: str) -> None:
+    def __init__(self, sink: FindingSink | None, file: str) -> None:
         self.sink = sink
         self.file = file
         self.counts: dict[str, int] = {}
@@ -61,12 +52,12 @@ class _Limited:
     def add(self, check: str, field: str, expected: Any, found: Any, msg: str) -> None:
         n = self.counts.get(check, 0) + 1
         self.counts[check] = n
-        if n <= MAX_ROW_FINDINGS:
+        if self.sink is not None and n <= MAX_ROW_FINDINGS:
             self.sink.add(check, self.file, field, expected, found, msg)
 
     def flush(self) -> None:
         for check, n in self.counts.items():
-            if n > MAX_ROW_FINDINGS:
+            if self.sink is not None and n > MAX_ROW_FINDINGS:
                 self.sink.add(
                     check,
                     self.file,
@@ -77,47 +68,62 @@ class _Limited:
                 )
 
 
-def check_survey(sink: FindingSink, rel: str, doc: Mapping[str, Any], tol: Tol) -> None:
-    """Audit one schema-valid ``mxdb.compile-survey`` document; findings go to ``sink.add``."""
+def _code(path: Path_) -> str:
+    return "count_mismatch" if path[1:2] and path[1] in _COUNT_FIELDS else "claim_mismatch"
+
+
+def _preflight(sink: FindingSink, rel: str, doc: Mapping[str, Any], ctx: Context) -> bool:
     lim = _Limited(sink, rel)
+    rows = _grid_rows(lim, doc)
+    if rows is not None:
+        figures = survey_figures(rows, doc["compiles"])
+        frac = figures["proxy_rejected_failures_fraction"]
+        if frac is not None and frac < PROXY_THRESHOLD:
+            lim.add(
+                "survey.below_threshold",
+                "claims.proxy_rejected_failures_fraction",
+                f">= {PROXY_THRESHOLD}",
+                frac,
+                f"the proxy rejects {figures['proxy_rejected_failures']} of "
+                f"{figures['failures']} failing configs",
+            )
+    lim.flush()
+    return rows is not None
+
+
+def _figures(doc: Mapping[str, Any], _: Context) -> Mapping[str, Any]:
+    return {"claims": survey_figures(_grid_rows(_Limited(None, ""), doc) or [], doc["compiles"])}
+
+
+def _grid_rows(lim: _Limited, doc: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+    """Check the survey; its grid rows (each config once) with the statuses of their
+    compilations and fresh proxy verdicts, or None if the proxy cannot be re-run."""
     fp = doc["fingerprint"]
     fp_hash = Fingerprint(**fp).hash
     if fp_hash != doc["fingerprint_hash"]:
-        sink.add(
+        lim.add(
             "survey.fingerprint_mismatch",
-            rel,
             "fingerprint_hash",
             fp_hash,
             doc["fingerprint_hash"],
             "fingerprint hash is not the hash of its components",
         )
-    elif sink.fp_hash is not None and sink.fp_hash != fp_hash:
-        sink.add(
-            "survey.fingerprint_mismatch",
-            rel,
-            "fingerprint_hash",
-            sink.fp_hash,
-            fp_hash,
-            "the survey's environment is not the bundle's fingerprint.json",
-        )
     try:
         profile = DeviceProfile(**doc["profile"])
         shape = MoEShape.from_dict(doc["shape"])
     except (ValidationError, MxdbError, TypeError, ValueError) as exc:
-        sink.add(
+        lim.add(
             "survey.profile_invalid",
-            rel,
             "profile",
             "a device profile and a shape",
             str(exc)[:120],
             "cannot re-run the proxy",
         )
-        return
+        return None
     for name in _PROFILE_FACTS:
         if fp.get(name) is not None and fp[name] != getattr(profile, name):
-            sink.add(
+            lim.add(
                 "survey.profile_mismatch",
-                rel,
                 f"profile.{name}",
                 fp[name],
                 getattr(profile, name),
@@ -129,9 +135,8 @@ def check_survey(sink: FindingSink, rel: str, doc: Mapping[str, Any], tol: Tol) 
         else (shape.hidden, shape.intermediate)
     )
     if (doc["gemm_n"], doc["gemm_k"]) != (n_dim, k_dim):
-        sink.add(
+        lim.add(
             "survey.shape_mismatch",
-            rel,
             "gemm_n",
             f"N={n_dim}, K={k_dim}",
             f"N={doc['gemm_n']}, K={doc['gemm_k']}",
@@ -157,18 +162,16 @@ def check_survey(sink: FindingSink, rel: str, doc: Mapping[str, Any], tol: Tol) 
     grid = doc["grid"]
     axes: dict[str, list[int]] = grid["axes"]
     if grid["name"] == "vllm" and axes != {k: list(v) for k, v in VLLM_GRID.items()}:
-        sink.add(
+        lim.add(
             "survey.grid_mismatch",
-            rel,
             "grid.axes",
             {k: list(v) for k, v in VLLM_GRID.items()},
             axes,
             "the axes are not vLLM's grid",
         )
     if list(grid["compile_key"]) != list(COMPILE_KEY):
-        sink.add(
+        lim.add(
             "survey.grid_mismatch",
-            rel,
             "grid.compile_key",
             list(COMPILE_KEY),
             grid["compile_key"],
@@ -178,11 +181,9 @@ def check_survey(sink: FindingSink, rel: str, doc: Mapping[str, Any], tol: Tol) 
         tuple(v): dict(zip(axes, v, strict=True)) for v in itertools.product(*axes.values())
     }
     size = len(expected)
-    rows: list[dict[str, Any]] = doc["rows"]
     if grid["size"] != size:
-        sink.add(
+        lim.add(
             "survey.grid_mismatch",
-            rel,
             "grid.size",
             size,
             grid["size"],
@@ -192,7 +193,8 @@ def check_survey(sink: FindingSink, rel: str, doc: Mapping[str, Any], tol: Tol) 
     used: set[int] = set()
     triton = fp.get("triton")
     verdicts: dict[tuple[int, ...], dict[str, Any]] = {}
-    for i, row in enumerate(rows):
+    fixed: list[dict[str, Any]] = []
+    for i, row in enumerate(doc["rows"]):
         where = f"rows[{i}]"
         cfg = row["config"]
         if set(cfg) != set(axes):
@@ -225,9 +227,11 @@ def check_survey(sink: FindingSink, rel: str, doc: Mapping[str, Any], tol: Tol) 
             continue
         seen[vkey] = i
         ck = key_of(cfg)
+        want = index.get(ck)
+        # the figures take the status from the compilation and the verdict afresh
+        fixed.append({**row, "status": compiles[want]["status"]} if want is not None else {**row})
         ci = row["compile"]
         if ci >= len(compiles) or key_of(compiles[ci]) != ck:
-            want = index.get(ck)
             lim.add(
                 "survey.row_compile_mismatch",
                 f"{where}.compile",
@@ -252,6 +256,7 @@ def check_survey(sink: FindingSink, rel: str, doc: Mapping[str, Any], tol: Tol) 
                 {**cfg}, shape=shape, profile=profile, gemm_index=doc["gemm_index"], triton=triton
             )
         v = verdicts[ck]
+        fixed[-1].update(v)
         for name in ("proxy_rejects", "proxy_reasons", "known_failure"):
             if row[name] != v[name]:
                 lim.add(
@@ -271,9 +276,8 @@ def check_survey(sink: FindingSink, rel: str, doc: Mapping[str, Any], tol: Tol) 
             )
     missing = [cfg for k, cfg in expected.items() if k not in seen]
     if missing:
-        sink.add(
+        lim.add(
             "survey.grid_incomplete",
-            rel,
             "rows",
             f"{size} grid configs",
             f"{len(seen)}; missing e.g. {missing[:3]}",
@@ -289,44 +293,12 @@ def check_survey(sink: FindingSink, rel: str, doc: Mapping[str, Any], tol: Tol) 
                 "a compilation no grid config uses",
             )
     _check_controls(lim, doc["group_m_control"], compiles, index)
-    lim.flush()
-
-    # the figures from the raw rows, with statuses from the compilations and fresh verdicts
-    fixed = []
-    for i in seen.values():
-        row = rows[i]
-        ci = index.get(key_of(row["config"]))
-        status = compiles[ci]["status"] if ci is not None else row["status"]
-        fixed.append({**row, "status": status, **verdicts.get(key_of(row["config"]), {})})
-    figures = survey_figures(fixed, compiles)
-    claims = doc["claims"]
-    want_leaves = _leaves("claims", figures)
-    got_leaves = _leaves("claims", claims)
-    for field in sorted(set(want_leaves) | set(got_leaves)):
-        want, got = want_leaves.get(field), got_leaves.get(field)
-        if field not in got_leaves or field not in want_leaves or not same(want, got, *tol):
-            top = field.split(".")[1]
-            check = "survey.count_mismatch" if top in _COUNT_FIELDS else "survey.claim_mismatch"
-            sink.add(check, rel, field, want, got, "claimed figure differs from the raw rows")
-    frac = figures["proxy_rejected_failures_fraction"]
-    if frac is not None and frac < PROXY_THRESHOLD:
-        sink.add(
-            "survey.below_threshold",
-            rel,
-            "claims.proxy_rejected_failures_fraction",
-            f">= {PROXY_THRESHOLD}",
-            frac,
-            f"the proxy rejects {figures['proxy_rejected_failures']} of "
-            f"{figures['failures']} failing configs",
-        )
+    return fixed
 
 
 def _check_record(lim: _Limited, i: int, c: Mapping[str, Any]) -> None:
     where = f"compiles[{i}]"
     status = c["status"]
-    if status not in COMPILE_STATUSES:  # the schema forbids it; kept for direct callers
-        lim.add("survey.record_invalid", f"{where}.status", COMPILE_STATUSES, status, "bad status")
-        return
     if status == "ok":
         if c["error"] is not None or c["smem_bytes"] is None or c["n_regs"] is None:
             lim.add(
@@ -395,3 +367,13 @@ def _check_controls(
                 f"GROUP_SIZE_M {ctl['group_m']} compiles differently: the grid's expansion "
                 "does not hold",
             )
+
+
+KIND = ClaimKind(
+    name="survey",
+    document="survey.json",
+    schema="mxdb.compile-survey",
+    codes=_code,
+    figures=_figures,
+    preflight=_preflight,
+)
