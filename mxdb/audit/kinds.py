@@ -6,7 +6,11 @@ whose document a bundle holds with :func:`mxdb.audit.claims.audit_claim`.
 
 from __future__ import annotations
 
-from mxdb.audit import lean_layer
+from mxdb.audit import decode, healing, lean_layer
 from mxdb.audit.claims import ClaimKind
 
-KINDS: tuple[ClaimKind, ...] = (lean_layer.KIND,)
+KINDS: tuple[ClaimKind, ...] = (
+    lean_layer.KIND,
+    decode.KIND,
+    healing.KIND,
+)
