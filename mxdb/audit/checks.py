@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from mxdb.audit import decode
 from mxdb.audit.claims import Context, audit_claim
 from mxdb.audit.compare import Tol, same
 from mxdb.audit.fastschema import compile_schema
@@ -399,30 +400,6 @@ class _BundleAudit:
                     "fingerprint hash is not the hash of its components",
                 )
 
-        if "decode.json" in contents:
-            decode = self.parse("decode.json", contents["decode.json"], "mxdb.decode")
-            if decode is not None:
-                from mxdb.audit.decode import check_decode
-
-                check_decode(self, "decode.json", decode, self.tol)
-                for c in decode["cases"]:
-                    claims = c.get("claims") or {}
-                    if claims.get("winner"):
-                        dims = tuple(sorted({**c["dims"], "tokens": c["tokens"]}.items()))
-                        self.decode.append(
-                            (c["op"], c["dtype"], dims, claims["winner"],
-                             claims.get("speedup"), claims.get("noise_band"))
-                        )  # fmt: skip
-
-        if "self_healing.json" in contents:
-            doc = self.parse(
-                "self_healing.json", contents["self_healing.json"], "mxdb.self-healing"
-            )
-            if doc is not None:
-                from mxdb.audit.healing import check_healing
-
-                check_healing(self, "self_healing.json", doc, self.fp_hash, self.tol)
-
         traces: dict[str, dict[str, Any]] = {}
         for rel in sorted(r for r in contents if r.startswith("traces/")):
             doc = self.parse(rel, contents[rel], "mxdb.trace")
@@ -567,6 +544,8 @@ class _BundleAudit:
                 doc = self.parse(kind.document, contents[kind.document], kind.schema)
                 if doc is not None:
                     audit_claim(kind, self, doc, ctx, tol)
+                    if kind is decode.KIND:  # what a shipped export's decode entries must match
+                        self.decode += decode.decisions(doc)
 
     def check_tuning_cost(self, contents: dict[str, bytes], runs: dict[str, Any]) -> None:
         from mxdb.audit.tuning_cost import TUNING_COST_NAME, check_tuning_cost

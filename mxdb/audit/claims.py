@@ -27,15 +27,16 @@ Path_ = tuple[str | int, ...]
 
 @dataclass(frozen=True)
 class Context:
-    """What a kind's checks may read besides its document: the bundle's runs (by run id), its
-    traces (by trace hash), every file's bytes (by bundle-relative name) and its fingerprint."""
+    """What a kind's checks may read besides a unit: the bundle's runs (by run id), its traces
+    (by trace hash), every file's bytes (by bundle-relative name), its fingerprint and the
+    document under audit (set by :func:`audit_claim`)."""
 
     runs: Mapping[str, Any] = field(default_factory=dict)
     traces: Mapping[str, Any] = field(default_factory=dict)
     contents: Mapping[str, bytes] = field(default_factory=dict)
     fp_hash: str | None = None
     #: the document being audited (set by :func:`audit_claim`)
-    document: Mapping[str, Any] = field(default_factory=dict)
+    doc: Mapping[str, Any] = field(default_factory=dict)
 
 
 #: ``check(sink, rel, where, unit, ctx) -> ok``: the invariants of one unit that are not
@@ -107,7 +108,7 @@ def audit_claim(
 ) -> None:
     """Audit one schema-valid document of ``kind``; every finding goes to ``sink``."""
     rel = rel or kind.document
-    ctx = replace(ctx, document=doc)
+    ctx = replace(ctx, doc=doc)
     fp_key = kind.fingerprint_field
     if fp_key is not None and ctx.fp_hash is not None and doc.get(fp_key) != ctx.fp_hash:
         sink.add(

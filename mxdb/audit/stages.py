@@ -83,7 +83,7 @@ def _preflight(sink: FindingSink, rel: str, doc: Mapping[str, Any], _: Context) 
 
 
 def _point(p: Mapping[str, Any], ctx: Context) -> Mapping[str, Any]:
-    return point_figures(p, ctx.document["bandwidth"])
+    return point_figures(p, ctx.doc["bandwidth"])
 
 
 def _figures(doc: Mapping[str, Any], _: Context) -> Mapping[str, Any]:
