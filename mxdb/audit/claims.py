@@ -14,7 +14,7 @@ is one declaration (and its schema); the auditor finds it in :mod:`mxdb.audit.ki
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from mxdb.audit.compare import Tol, same
@@ -28,12 +28,15 @@ Path_ = tuple[str | int, ...]
 @dataclass(frozen=True)
 class Context:
     """What a kind's checks may read besides its document: the bundle's runs (by run id), its
-    traces (by trace hash), every file's bytes (by bundle-relative name) and its fingerprint."""
+    traces (by trace hash), every file's bytes (by bundle-relative name) and its fingerprint;
+    ``doc`` is the document under audit (set by :func:`audit_claim`), for a unit's checks that
+    depend on a document-wide setting."""
 
     runs: Mapping[str, Any] = field(default_factory=dict)
     traces: Mapping[str, Any] = field(default_factory=dict)
     contents: Mapping[str, bytes] = field(default_factory=dict)
     fp_hash: str | None = None
+    doc: Mapping[str, Any] = field(default_factory=dict)
 
 
 #: ``check(sink, rel, where, unit, ctx) -> ok``: the invariants of one unit that are not
@@ -61,12 +64,14 @@ class ClaimKind:
     compared leaf by leaf; ``targets`` are judged on ``result[figures_key]``); it runs only
     when every unit passed its checks.  ``codes`` maps a leaf's path to its finding code (a
     code without a dot gets the kind's prefix).  ``preflight(sink, rel, doc, ctx)`` holds
-    document-level invariants and returns False when nothing else can be checked.
+    document-level invariants and returns False when nothing else can be checked.  ``schema``
+    is None for a document without a JSON Schema: the auditor then only reads it as a JSON
+    object, and the preflight checks its type and shape.
     """
 
     name: str
     document: str
-    schema: str
+    schema: str | None
     codes: Callable[[Path_], str]
     units: Sequence[Unit] = ()
     figures: Callable[[Mapping[str, Any], Context], Mapping[str, Any]] | None = None
@@ -102,6 +107,7 @@ def audit_claim(
 ) -> None:
     """Audit one schema-valid document of ``kind``; every finding goes to ``sink``."""
     rel = rel or kind.document
+    ctx = replace(ctx, doc=doc)
     fp_key = kind.fingerprint_field
     if fp_key is not None and ctx.fp_hash is not None and doc.get(fp_key) != ctx.fp_hash:
         sink.add(

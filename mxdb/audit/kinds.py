@@ -6,7 +6,11 @@ whose document a bundle holds with :func:`mxdb.audit.claims.audit_claim`.
 
 from __future__ import annotations
 
-from mxdb.audit import lean_layer
+from mxdb.audit import lean_layer, peers, tuning_cost
 from mxdb.audit.claims import ClaimKind
 
-KINDS: tuple[ClaimKind, ...] = (lean_layer.KIND,)
+KINDS: tuple[ClaimKind, ...] = (
+    peers.KIND,
+    lean_layer.KIND,
+    tuning_cost.KIND,
+)
