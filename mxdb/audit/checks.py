@@ -118,15 +118,17 @@ class _BundleAudit:
 
     # -- documents ---------------------------------------------------------------------
 
-    def parse(self, rel: str, data: bytes, expect: str) -> dict[str, Any] | None:
-        """JSON, document type, version and schema of one file; ``None`` if unusable."""
+    def parse(self, rel: str, data: bytes, expect: str | None) -> dict[str, Any] | None:
+        """JSON, document type, version and schema of one file; ``None`` if unusable.  With
+        ``expect`` None (a document without a JSON Schema) only a JSON object is required."""
         from mxdb.schemas import DOCUMENT_NAMES, validator
 
         try:
             doc = parse_json(data, what=rel, parse_constant=_parse_constant)
         except InvalidInputError as exc:
             text = str(exc).removeprefix(f"{rel}: ").removeprefix(f"{rel} ")
-            if "duplicate key" in text:
+            # a document without a schema has always reported any unreadable JSON as json.invalid
+            if "duplicate key" in text and expect is not None:
                 self.add(
                     "json.duplicate_key",
                     rel,
@@ -143,6 +145,8 @@ class _BundleAudit:
                 "json.invalid", rel, "", "a JSON object", type(doc).__name__, "not a JSON object"
             )
             return None
+        if expect is None:
+            return doc
         name = doc.get("schema")
         if name != expect:
             self.add(
@@ -438,8 +442,6 @@ class _BundleAudit:
         self.n_runs = len(runs)
         self.check_groups(runs, run_files)
         self.check_claims(contents, runs, traces)
-        if "tuning_cost.json" in contents:
-            self.check_tuning_cost(contents, runs)
 
         summary = None
         if "summary.json" in contents:
@@ -529,15 +531,9 @@ class _BundleAudit:
     def check_claims(
         self, contents: dict[str, bytes], runs: dict[str, Any], traces: dict[str, Any]
     ) -> None:
-        """The peers claim (``peers.json``) and every declared kind (:data:`KINDS`) whose
-        document the bundle holds."""
+        """Every declared kind of evidence (:mod:`mxdb.audit.kinds`) whose document the bundle
+        holds."""
         tol = self.tol
-        if "peers.json" in contents:
-            doc = self.parse("peers.json", contents["peers.json"], "mxdb.peers")
-            if doc is not None:
-                from mxdb.audit.peers import check_peers
-
-                check_peers(self, "peers.json", doc, runs, traces, tol)
         ctx = Context(runs=runs, traces=traces, contents=contents, fp_hash=self.fp_hash)
         for kind in KINDS:
             if kind.document in contents:
@@ -546,28 +542,6 @@ class _BundleAudit:
                     audit_claim(kind, self, doc, ctx, tol)
                     if kind is decode.KIND:  # what a shipped export's decode entries must match
                         self.decode += decode.decisions(doc)
-
-    def check_tuning_cost(self, contents: dict[str, bytes], runs: dict[str, Any]) -> None:
-        from mxdb.audit.tuning_cost import TUNING_COST_NAME, check_tuning_cost
-
-        try:
-            doc = parse_json(
-                contents[TUNING_COST_NAME], what=TUNING_COST_NAME, parse_constant=_parse_constant
-            )
-        except InvalidInputError as exc:
-            self.add(
-                "json.invalid",
-                TUNING_COST_NAME,
-                "",
-                "a JSON document",
-                str(exc)[:120],
-                "not valid JSON",
-            )
-            return
-        if not isinstance(doc, dict):
-            self.add("json.invalid", TUNING_COST_NAME, "", "a JSON object", doc, "not an object")
-            return
-        check_tuning_cost(self, doc, contents, runs, self.tol)
 
     def check_trace(self, rel: str, doc: dict[str, Any]) -> bool:
         ids = doc["ids"]

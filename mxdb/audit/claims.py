@@ -27,15 +27,15 @@ Path_ = tuple[str | int, ...]
 
 @dataclass(frozen=True)
 class Context:
-    """What a kind's checks may read besides a unit: the bundle's runs (by run id), its traces
-    (by trace hash), every file's bytes (by bundle-relative name), its fingerprint and the
-    document under audit (set by :func:`audit_claim`)."""
+    """What a kind's checks may read besides its document: the bundle's runs (by run id), its
+    traces (by trace hash), every file's bytes (by bundle-relative name) and its fingerprint;
+    ``doc`` is the document under audit (set by :func:`audit_claim`), for a unit's checks that
+    depend on a document-wide setting."""
 
     runs: Mapping[str, Any] = field(default_factory=dict)
     traces: Mapping[str, Any] = field(default_factory=dict)
     contents: Mapping[str, bytes] = field(default_factory=dict)
     fp_hash: str | None = None
-    #: the document being audited (set by :func:`audit_claim`)
     doc: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -66,12 +66,14 @@ class ClaimKind:
     that depend on its schema version) and ``target_figures(recomputed)`` the figures they
     name when those are not one key of it.  ``codes`` maps a leaf's path to its finding code (a
     code without a dot gets the kind's prefix).  ``preflight(sink, rel, doc, ctx)`` holds
-    document-level invariants and returns False when nothing else can be checked.
+    document-level invariants and returns False when nothing else can be checked.  ``schema``
+    is None for a document without a JSON Schema: the auditor then only reads it as a JSON
+    object, and the preflight checks its type and shape.
     """
 
     name: str
     document: str
-    schema: str
+    schema: str | None
     codes: Callable[[Path_], str]
     units: Sequence[Unit] = ()
     figures: Callable[[Mapping[str, Any], Context], Mapping[str, Any]] | None = None

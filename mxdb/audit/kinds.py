@@ -6,14 +6,16 @@ whose document a bundle holds with :func:`mxdb.audit.claims.audit_claim`.
 
 from __future__ import annotations
 
-from mxdb.audit import decode, healing, lean_layer, serving, stages, survey
+from mxdb.audit import decode, healing, lean_layer, peers, serving, stages, survey, tuning_cost
 from mxdb.audit.claims import ClaimKind
 
 KINDS: tuple[ClaimKind, ...] = (
     decode.KIND,
     healing.KIND,
     lean_layer.KIND,
+    peers.KIND,
     serving.KIND,
     stages.KIND,
     survey.KIND,
+    tuning_cost.KIND,
 )

@@ -1,12 +1,11 @@
-"""The audit of a peers claim (``peers.json``): every figure recomputed from the runs' samples.
+"""The peers claim (``peers.json``) as a kind of evidence: every figure from the runs' samples.
 
 Each point's runs must be in the bundle with the role of their label, the point's token count
 and trace, and the control pair must time config (c) (config (a) under ``rule: "verdict"``,
 where the pair are copies of FlagGems' choice).  The figures are then recomputed with
 :func:`mxdb.evidence.peers.build_peers` (the writer's own function, on the runs' raw samples)
-and compared leaf by leaf within the audit's tolerance; each target's threshold must be
-mxdb's, its measured value the recomputed figure and its verdict that of the value against
-the threshold (a "pass" for a missed target is a finding).  A document with ``explanations``
+and compared leaf by leaf within the audit's tolerance by :func:`mxdb.audit.claims.audit_claim`,
+which judges the targets too (a "pass" for a missed target is a finding).  A document with ``explanations``
 has them and its points' extended figures recomputed the same way (hot shares from the
 bundle's traces), and a point whose recorded dispatch reason is a fallback must have run
 FlagGems' config as (c).  A document of schema 1.2 is checked per instance (each instance's
@@ -20,8 +19,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mxdb.audit.claims import Path_, check_targets, compare_claims
-from mxdb.audit.compare import Tol
+from mxdb.audit.claims import ClaimKind, Context, Path_, Unit
 from mxdb.audit.findings import FindingSink
 from mxdb.evidence.peers import (
     DECODE_MAX_TOKENS,
@@ -69,7 +67,7 @@ _POINT_CODES: dict[str, str] = {
 }
 
 
-def _peers_code(path: Path_) -> str:
+def _code(path: Path_) -> str:
     if path[:1] == ("points",) and len(path) >= 5 and path[2] == "instances":
         return "peers." + _POINT_CODES.get(str(path[4]), "field_mismatch")
     if path[:1] == ("points",) and len(path) >= 3:
@@ -88,17 +86,8 @@ def _peers_code(path: Path_) -> str:
     return "peers.field_mismatch"
 
 
-def _point_problems(
-    sink: FindingSink,
-    rel: str,
-    i: int,
-    p: Mapping[str, Any],
-    runs: Mapping[str, Mapping[str, Any]],
-    traces: Mapping[str, Mapping[str, Any]],
-    *,
-    copies_of: str = "c",
-) -> bool:
-    """Report a point whose runs cannot support it; True when it has a problem.
+def _point_ok(sink: FindingSink, rel: str, where: str, p: Mapping[str, Any], ctx: Context) -> bool:
+    """False (with its findings) for a point whose runs cannot support it.
 
     A point with ``instances`` (schema 1.2) is checked instance by instance: each instance's
     runs against its own trace, its indices ``0..K-1`` in order, and the point itself names
@@ -110,19 +99,19 @@ def _point_problems(
             sink.add(
                 "peers.run_missing",
                 rel,
-                f"points[{i}].runs",
+                f"{where}.runs",
                 "run ids and a trace (or instances, schema 1.2)",
                 "null",
                 "a point names neither runs nor instances",
             )
-            return True
-        return _runs_problems(sink, rel, f"points[{i}]", p, runs, traces, copies_of=copies_of)
+            return False
+        return not _runs_problems(sink, rel, where, p, ctx)
     bad = False
     if not instances:
         sink.add(
             "peers.run_missing",
             rel,
-            f"points[{i}].instances",
+            f"{where}.instances",
             "at least one instance",
             "none",
             "a point of schema 1.2 without instances",
@@ -133,27 +122,27 @@ def _point_problems(
             sink.add(
                 "peers.field_mismatch",
                 rel,
-                f"points[{i}].{key}",
+                f"{where}.{key}",
                 None,
                 p.get(key),
                 "a point with instances names its runs and traces per instance only",
             )
             bad = True
     for j, inst in enumerate(instances):
-        where = f"points[{i}].instances[{j}]"
+        at = f"{where}.instances[{j}]"
         if inst.get("instance") != j:
             sink.add(
                 "peers.field_mismatch",
                 rel,
-                f"{where}.instance",
+                f"{at}.instance",
                 j,
                 inst.get("instance"),
                 "instances are listed by index, 0 to K-1",
             )
             bad = True
         full = {**inst, "family": p["family"], "tokens": p["tokens"]}
-        bad |= _runs_problems(sink, rel, where, full, runs, traces, copies_of=copies_of)
-    return bad
+        bad |= _runs_problems(sink, rel, at, full, ctx)
+    return not bad
 
 
 def _runs_problems(
@@ -161,13 +150,13 @@ def _runs_problems(
     rel: str,
     where: str,
     p: Mapping[str, Any],
-    runs: Mapping[str, Mapping[str, Any]],
-    traces: Mapping[str, Mapping[str, Any]],
-    *,
-    copies_of: str,
+    ctx: Context,
 ) -> bool:
-    """The run checks of one interleaved comparison (a point, or an instance of one)."""
-    ids = p["runs"]
+    """The run checks of one interleaved comparison (a point, or an instance of one); True
+    when it has a problem."""
+    runs, ids = ctx.runs, p["runs"]
+    # under ``rule: "verdict"`` the control pair are copies of FlagGems' choice (a), else of (c)
+    copies_of = "a" if ctx.doc.get("rule") == "verdict" else "c"
     bad = False
     for lab in LABELS:
         rid = ids.get(lab)
@@ -226,7 +215,7 @@ def _runs_problems(
                 f"the point records the fallback reason {reason!r}, but (c) ran another config",
             )
             bad = True
-    if p["trace_hash"] not in traces:
+    if p["trace_hash"] not in ctx.traces:
         sink.add(
             "peers.run_missing",
             rel,
@@ -239,45 +228,34 @@ def _runs_problems(
     return bad
 
 
-def check_peers(
-    sink: FindingSink,
-    rel: str,
-    doc: Mapping[str, Any],
-    runs: Mapping[str, Mapping[str, Any]],
-    traces: Mapping[str, Mapping[str, Any]],
-    tol: Tol,
-) -> None:
-    """Audit one ``peers.json`` against the bundle's runs and traces."""
-    if sink.fp_hash is not None and doc["fingerprint_hash"] != sink.fp_hash:
+def _preflight(sink: FindingSink, rel: str, doc: Mapping[str, Any], _: Context) -> bool:
+    if doc["decode_max_tokens"] != DECODE_MAX_TOKENS:
         sink.add(
-            "peers.fingerprint_mismatch",
+            "peers.field_mismatch",
             rel,
-            "fingerprint_hash",
-            sink.fp_hash,
-            doc["fingerprint_hash"],
-            "the claim names another environment than the bundle's fingerprint",
+            "decode_max_tokens",
+            DECODE_MAX_TOKENS,
+            doc["decode_max_tokens"],
+            "decode points are those with M at most 16",
         )
-    bad = False
-    copy_label = "a" if doc.get("rule") == "verdict" else "c"
-    for i, p in enumerate(doc["points"]):
-        bad |= _point_problems(sink, rel, i, p, runs, traces, copies_of=copy_label)
-    if bad:
-        return  # figures of points without their runs cannot be recomputed
-    figs = {h: trace_figures(t["ids"]) for h, t in traces.items()}
-    active = {h: f[0] for h, f in figs.items()}
+    return True
+
+
+def _figures(doc: Mapping[str, Any], ctx: Context) -> Mapping[str, Any]:
+    figs = {h: trace_figures(t["ids"]) for h, t in ctx.traces.items()}
     # the layout with explanations is recognised by that field; older documents lack it
     hot = {h: f[1] for h, f in figs.items()} if "explanations" in doc else None
     classes = None
     if any(p.get("instances") is not None for p in doc["points"]):
         # schema 1.2: each instance's routing class, from the bundle's trace
         used = {i["trace_hash"] for p in doc["points"] for i in p.get("instances") or ()}
-        classes = {h: trace_class(traces[h]["ids"], traces[h]["experts"]) for h in used}
+        classes = {h: trace_class(ctx.traces[h]["ids"], ctx.traces[h]["experts"]) for h in used}
         if hot is None:
             hot = {h: f[1] for h, f in figs.items()}
-    recomputed = build_peers(
+    return build_peers(
         doc["points"],
-        runs,
-        active,
+        ctx.runs,
+        {h: f[0] for h, f in figs.items()},
         milestone=doc["milestone"],
         fingerprint_hash=doc["fingerprint_hash"],
         bandwidth_bytes_per_s=doc["bandwidth_bytes_per_s"],
@@ -289,16 +267,16 @@ def check_peers(
         routing_source=doc.get("routing_source"),
         trace_classes=classes,
     )
-    if doc["decode_max_tokens"] != DECODE_MAX_TOKENS:
-        sink.add(
-            "peers.field_mismatch",
-            rel,
-            "decode_max_tokens",
-            DECODE_MAX_TOKENS,
-            doc["decode_max_tokens"],
-            "decode points are those with M at most 16",
-        )
-    claimed = {k: v for k, v in doc.items() if k != "targets"}
-    recomputed.pop("targets")
-    compare_claims(sink, rel, claimed, recomputed, _peers_code, tol)
-    check_targets(sink, rel, "peers", doc["targets"], TARGETS, recomputed["figures"], tol)
+
+
+KIND = ClaimKind(
+    name="peers",
+    document="peers.json",
+    schema="mxdb.peers",
+    codes=_code,
+    units=(Unit("points", check=_point_ok),),
+    figures=_figures,
+    targets=TARGETS,
+    preflight=_preflight,
+    whole_document=True,
+)

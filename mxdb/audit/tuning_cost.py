@@ -21,7 +21,9 @@ same grid.  Its ``tuning_cost.json`` claims, for each point:
 - each sweep file's ``best`` is the config with the smallest median among its timed rows, and
   the ``exhaustive_gemm1``/``exhaustive_gemm2`` runs time exactly those configs.
 
-The audit recomputes every figure; a mismatch is a finding.
+This module writes the document (:func:`build_tuning_cost`) and declares it as a kind of
+evidence (``KIND``): the audit recomputes every figure with the same functions; a mismatch is
+a finding.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import hashlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from mxdb.audit.compare import Tol, same
+from mxdb.audit.claims import ClaimKind, Context, Unit
 from mxdb.audit.findings import FindingSink
 from mxdb.configs import config_hash
 from mxdb.errors import InvalidInputError
@@ -180,15 +182,8 @@ def summarise(points: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     }
 
 
-def check_tuning_cost(
-    sink: FindingSink,
-    doc: Mapping[str, Any],
-    contents: Mapping[str, bytes],
-    runs: Mapping[str, Mapping[str, Any]],
-    tol: Tol,
-) -> None:
-    """Recompute every figure of ``doc`` from the bundle's runs and sweep files."""
-    rel = TUNING_COST_NAME
+def _preflight(sink: FindingSink, rel: str, doc: Mapping[str, Any], _: Context) -> bool:
+    # no JSON Schema describes this document: its type, version and points are checked here
     if doc.get("schema") != SCHEMA or doc.get("schema_version") not in SCHEMA_VERSIONS:
         sink.add(
             "tuning_cost.schema",
@@ -198,124 +193,105 @@ def check_tuning_cost(
             f"{doc.get('schema')} {doc.get('schema_version')}",
             "not a tuning-cost document this mxdb understands",
         )
-        return
+        return False
     points = doc.get("points")
     if not isinstance(points, list) or not points:
         sink.add("tuning_cost.invalid", rel, "points", "a list of points", points, "no points")
-        return
-    for i, p in enumerate(points):
-        where = f"points[{i}]"
-        try:
-            ids = p["runs"]
-            missing = [lbl for lbl, rid in ids.items() if rid not in runs]
-            if missing:
-                sink.add(
-                    "tuning_cost.missing_run",
-                    rel,
-                    f"{where}.runs",
-                    "runs present in runs/",
-                    missing,
-                    "the claim names runs the bundle does not hold",
-                )
-                continue
-            if doc.get("schema_version") != "1.0" and "comparison" not in p["mxdb"]:
-                sink.add(
-                    "tuning_cost.invalid",
-                    rel,
-                    f"{where}.mxdb.comparison",
-                    "mxdb's final comparison",
-                    None,
-                    "a 1.1 claim must carry the samples that decide mxdb's answer",
-                )
-                continue
-            fig = recompute_point(p, runs)
-            recorded = p["exhaustive"].get("recorded_in")
-            if recorded is not None:
-                # reused sweeps: the bundle's copies must be the files the run recorded
-                found = [
-                    hashlib.sha256(contents[s]).hexdigest() if s in contents else None
-                    for s in p["exhaustive"]["sweeps"]
-                ]
-                if found != list(recorded.get("sweep_sha256") or []):
-                    sink.add(
-                        "tuning_cost.sweep_source",
-                        rel,
-                        f"{where}.exhaustive.recorded_in.sweep_sha256",
-                        found,
-                        recorded.get("sweep_sha256"),
-                        "the sweep files differ from the recorded run's",
-                    )
-            for sweep_rel, label in zip(
-                p["exhaustive"]["sweeps"], ("exhaustive_gemm1", "exhaustive_gemm2"), strict=True
-            ):
-                if sweep_rel not in contents:
-                    sink.add(
-                        "tuning_cost.missing_sweep",
-                        rel,
-                        f"{where}.exhaustive.sweeps",
-                        sweep_rel,
-                        "no file",
-                        "the claim names a sweep file the bundle does not hold",
-                    )
-                    continue
-                sweep = parse_json(contents[sweep_rel], what=sweep_rel)
-                best_hash, _ = _sweep_best(sweep)
-                run_hash = runs[ids[label]].get("config_hash")
-                if best_hash != config_hash(sweep.get("best", {})) or best_hash != run_hash:
-                    sink.add(
-                        "tuning_cost.sweep_best",
-                        sweep_rel,
-                        "best",
-                        best_hash,
-                        run_hash,
-                        f"the {label} run does not time the sweep's fastest config",
-                    )
-            n = sum(
-                _sweep_best(parse_json(contents[s], what=s))[1]
-                for s in p["exhaustive"]["sweeps"]
-                if s in contents
-            )
-            fig["exhaustive_configs_timed"] = n
-        except (KeyError, TypeError, ValueError, InvalidInputError) as exc:
-            sink.add(
-                "tuning_cost.invalid", rel, where, "a complete point", repr(exc)[:80], "malformed"
-            )
-            continue
-        for key, value in fig.items():
-            if not same(p.get(key), value, *tol):
-                sink.add(
-                    "tuning_cost.mismatch",
-                    rel,
-                    f"{where}.{key}",
-                    value,
-                    p.get(key),
-                    "claimed figure differs from the one recomputed from the raw files",
-                )
-    summary = doc.get("summary") or {}
+        return False
+    return True
+
+
+def _point_ok(sink: FindingSink, rel: str, where: str, p: Mapping[str, Any], ctx: Context) -> bool:
+    """The point's runs and sweep files are the bundle's, and its figures can be recomputed."""
     try:
-        want = summarise([p for p in points if isinstance(p, dict)])
-    except (TypeError, ValueError) as exc:
-        sink.add(
-            "tuning_cost.invalid", rel, "summary", "numeric points", repr(exc)[:80], "malformed"
-        )
-        return
-    counts = ("points", "meeting_target")
-    if any(summary.get(k) != want[k] for k in counts):
-        sink.add(
-            "tuning_cost.mismatch",
-            rel,
-            "summary",
-            {k: want[k] for k in counts},
-            {k: summary.get(k) for k in counts},
-            "summary counts differ from the points",
-        )
-    for key in ("geomean_quality_ratio", "max_gpu_time_fraction"):
-        if not same(summary.get(key), want[key], *tol):
+        ids, runs, contents = p["runs"], ctx.runs, ctx.contents
+        missing = [lbl for lbl, rid in ids.items() if rid not in runs]
+        if missing:
             sink.add(
-                "tuning_cost.mismatch",
+                "tuning_cost.missing_run",
                 rel,
-                f"summary.{key}",
-                want[key],
-                summary.get(key),
-                "summary figure differs from the one recomputed from the points",
+                f"{where}.runs",
+                "runs present in runs/",
+                missing,
+                "the claim names runs the bundle does not hold",
             )
+            return False
+        if ctx.doc.get("schema_version") != "1.0" and "comparison" not in p["mxdb"]:
+            sink.add(
+                "tuning_cost.invalid",
+                rel,
+                f"{where}.mxdb.comparison",
+                "mxdb's final comparison",
+                None,
+                "a 1.1 claim must carry the samples that decide mxdb's answer",
+            )
+            return False
+        recompute_point(p, runs)  # raises on a malformed point, before its figures are compared
+        recorded = p["exhaustive"].get("recorded_in")
+        if recorded is not None:
+            # reused sweeps: the bundle's copies must be the files the run recorded
+            found = [
+                hashlib.sha256(contents[s]).hexdigest() if s in contents else None
+                for s in p["exhaustive"]["sweeps"]
+            ]
+            if found != list(recorded.get("sweep_sha256") or []):
+                sink.add(
+                    "tuning_cost.sweep_source",
+                    rel,
+                    f"{where}.exhaustive.recorded_in.sweep_sha256",
+                    found,
+                    recorded.get("sweep_sha256"),
+                    "the sweep files differ from the recorded run's",
+                )
+        for sweep_rel, label in zip(
+            p["exhaustive"]["sweeps"], ("exhaustive_gemm1", "exhaustive_gemm2"), strict=True
+        ):
+            if sweep_rel not in contents:
+                sink.add(
+                    "tuning_cost.missing_sweep",
+                    rel,
+                    f"{where}.exhaustive.sweeps",
+                    sweep_rel,
+                    "no file",
+                    "the claim names a sweep file the bundle does not hold",
+                )
+                continue
+            sweep = parse_json(contents[sweep_rel], what=sweep_rel)
+            best_hash, _ = _sweep_best(sweep)
+            run_hash = runs[ids[label]].get("config_hash")
+            if best_hash != config_hash(sweep.get("best", {})) or best_hash != run_hash:
+                sink.add(
+                    "tuning_cost.sweep_best",
+                    sweep_rel,
+                    "best",
+                    best_hash,
+                    run_hash,
+                    f"the {label} run does not time the sweep's fastest config",
+                )
+        return True
+    except (AttributeError, KeyError, TypeError, ValueError, InvalidInputError) as exc:
+        sink.add("tuning_cost.invalid", rel, where, "a complete point", repr(exc)[:80], "malformed")
+        return False
+
+
+def _point_figures(p: Mapping[str, Any], ctx: Context) -> Mapping[str, Any]:
+    sweeps = [s for s in p["exhaustive"]["sweeps"] if s in ctx.contents]
+    n = sum(_sweep_best(parse_json(ctx.contents[s], what=s))[1] for s in sweeps)
+    return {**recompute_point(p, ctx.runs), "exhaustive_configs_timed": n}
+
+
+def _figures(doc: Mapping[str, Any], ctx: Context) -> Mapping[str, Any]:
+    # the summary of the recomputed points (each point's claimed figures are compared above)
+    return {"summary": summarise([recompute_point(p, ctx.runs) for p in doc["points"]])}
+
+
+KIND = ClaimKind(
+    name="tuning_cost",
+    document=TUNING_COST_NAME,
+    schema=None,
+    codes=lambda _: "mismatch",
+    units=(Unit("points", check=_point_ok, figures=_point_figures),),
+    figures=_figures,
+    preflight=_preflight,
+    fingerprint_field=None,
+)
