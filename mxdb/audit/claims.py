@@ -19,7 +19,10 @@ from typing import Any
 
 from mxdb.audit.compare import Tol, same
 from mxdb.audit.findings import FindingSink
+from mxdb.configs import config_hash
+from mxdb.evidence import stats
 from mxdb.evidence.peers import TargetSpec, judge
+from mxdb.shapes import preset_shape
 
 #: A place in a document: keys and list indices from its root.
 Path_ = tuple[str | int, ...]
@@ -86,6 +89,9 @@ class ClaimKind:
     #: ``figures`` rebuilds the whole document (but its targets): a claimed key it does not
     #: give is a finding too
     whole_document: bool = False
+    #: fixed settings of the kind: key -> (mxdb's value, why); another value is a
+    #: ``<name>.field_mismatch``
+    settings: Mapping[str, tuple[Any, str]] = field(default_factory=dict)
 
     def code(self, path: Path_) -> str:
         c = self.codes(path)
@@ -121,6 +127,9 @@ def audit_claim(
             doc.get(fp_key),
             "the claim names another environment than the bundle's fingerprint",
         )
+    for key, (want, why) in kind.settings.items():
+        if doc.get(key) != want:
+            sink.add(f"{kind.name}.field_mismatch", rel, key, want, doc.get(key), why)
     if kind.preflight is not None and not kind.preflight(sink, rel, doc, ctx):
         return
     all_ok = True
@@ -155,6 +164,56 @@ def audit_claim(
             else recomputed.get(kind.figures_key) or {}
         )
         check_targets(sink, rel, kind.name, doc.get("targets") or [], specs, figures, tol)
+
+
+def check_samples(
+    sink: FindingSink,
+    rel: str,
+    where: str,
+    prefix: str,
+    series: Mapping[str, Any],
+    expected: str = "a finite positive number of microseconds",
+) -> bool:
+    """A ``<prefix>.sample_invalid`` finding for each series (name -> list of timings, or one
+    timing) holding a sample that is not a finite positive number; True when all are valid."""
+    ok = True
+    for name, samples in series.items():
+        many = isinstance(samples, list)
+        invalid = [j for j, x in enumerate(samples if many else [samples])
+                   if not stats.valid_sample(x)]  # fmt: skip
+        if invalid:
+            j = invalid[0]
+            sink.add(
+                f"{prefix}.sample_invalid",
+                rel,
+                f"{where}.{name}[{j}]" if many else f"{where}.{name}",
+                expected,
+                samples[j] if many else samples,
+                f"{len(invalid)} invalid timing sample(s)",
+            )
+            ok = False
+    return ok
+
+
+def check_shape_and_config(
+    sink: FindingSink, rel: str, where: str, prefix: str, p: Mapping[str, Any]
+) -> None:
+    """``<prefix>.shape_mismatch`` where the point's shape is not its family's at its token
+    count, ``<prefix>.config_hash_mismatch`` where its config hash is not its config's."""
+    try:
+        want = preset_shape(p["family"], p["tokens"], p["shape"]["dtype"]).to_dict()
+    except Exception:  # an unknown family or dtype: no shape can match
+        want = {"family": p["family"], "tokens": p["tokens"]}
+    if want != p["shape"]:
+        sink.add(f"{prefix}.shape_mismatch", rel, f"{where}.shape", want, p["shape"],
+                 "the shape is not that of the family at this token count")  # fmt: skip
+    try:
+        h = config_hash(p["config"])
+    except Exception as exc:  # a config that cannot be hashed is a finding, not a crash
+        h = f"no hash ({type(exc).__name__})"
+    if h != p["config_hash"]:
+        sink.add(f"{prefix}.config_hash_mismatch", rel, f"{where}.config_hash", h,
+                 p["config_hash"], "config_hash is not the hash of the config")  # fmt: skip
 
 
 def compare_claims(

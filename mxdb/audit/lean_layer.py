@@ -13,13 +13,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mxdb.audit.claims import ClaimKind, Context, Path_, Unit
+from mxdb.audit.claims import ClaimKind, Context, Path_, Unit, check_samples, check_shape_and_config
 from mxdb.audit.findings import FindingSink
-from mxdb.configs import config_hash
-from mxdb.evidence import stats
 from mxdb.evidence.lean_layer import DECODE_MAX_TOKENS, SERIES, TARGETS, build_lean_layer
 from mxdb.evidence.thresholds import THRESHOLDS, passes
-from mxdb.shapes import preset_shape
 
 _POINT_CODES: dict[str, str] = {
     "median_us": "median_mismatch",
@@ -43,58 +40,11 @@ def _code(path: Path_) -> str:
 
 
 def _point_ok(sink: FindingSink, rel: str, where: str, p: Mapping[str, Any], _: Context) -> bool:
-    bad = False
-    for name in SERIES:
-        samples = p["samples"][name]
-        invalid = [j for j, x in enumerate(samples) if not stats.valid_sample(x)]
-        if invalid:
-            j = invalid[0]
-            sink.add(
-                "lean_layer.sample_invalid",
-                rel,
-                f"{where}.samples.{name}[{j}]",
-                "a finite positive number of microseconds",
-                samples[j],
-                f"{len(invalid)} invalid timing sample(s)",
-            )
-            bad = True
-    for key, x in p["host_us"].items():
-        if not stats.valid_sample(x):
-            sink.add(
-                "lean_layer.sample_invalid",
-                rel,
-                f"{where}.host_us.{key}",
-                "a finite positive number of microseconds",
-                x,
-                "invalid host time",
-            )
-            bad = True
-    try:
-        want = preset_shape(p["family"], p["tokens"], p["shape"]["dtype"]).to_dict()
-    except Exception:  # an unknown family or dtype: no shape can match
-        want = {"family": p["family"], "tokens": p["tokens"]}
-    if want != p["shape"]:
-        sink.add(
-            "lean_layer.shape_mismatch",
-            rel,
-            f"{where}.shape",
-            want,
-            p["shape"],
-            "the shape is not that of the family at this token count",
-        )
-    try:
-        h = config_hash(p["config"])
-    except Exception as exc:  # a config that cannot be hashed is a finding, not a crash
-        h = f"no hash ({type(exc).__name__})"
-    if h != p["config_hash"]:
-        sink.add(
-            "lean_layer.config_hash_mismatch",
-            rel,
-            f"{where}.config_hash",
-            h,
-            p["config_hash"],
-            "config_hash is not the hash of the config",
-        )
+    ok = check_samples(
+        sink, rel, f"{where}.samples", "lean_layer", {n: p["samples"][n] for n in SERIES}
+    )
+    ok &= check_samples(sink, rel, f"{where}.host_us", "lean_layer", p["host_us"])
+    check_shape_and_config(sink, rel, where, "lean_layer", p)
     c = p["correctness"]
     dtype = p["shape"]["dtype"]
     t = THRESHOLDS.get(dtype)
@@ -114,20 +64,7 @@ def _point_ok(sink: FindingSink, rel: str, where: str, p: Mapping[str, Any], _: 
                     c[key],
                     "correctness is not the verdict of its errors against the dtype's table",
                 )
-    return not bad
-
-
-def _preflight(sink: FindingSink, rel: str, doc: Mapping[str, Any], _: Context) -> bool:
-    if doc["decode_max_tokens"] != DECODE_MAX_TOKENS:
-        sink.add(
-            "lean_layer.field_mismatch",
-            rel,
-            "decode_max_tokens",
-            DECODE_MAX_TOKENS,
-            doc["decode_max_tokens"],
-            "decode points are those with M at most 16",
-        )
-    return True
+    return ok
 
 
 def _figures(doc: Mapping[str, Any], _: Context) -> Mapping[str, Any]:
@@ -149,6 +86,8 @@ KIND = ClaimKind(
     units=(Unit("points", check=_point_ok),),
     figures=_figures,
     targets=TARGETS,
-    preflight=_preflight,
     whole_document=True,
+    settings={
+        "decode_max_tokens": (DECODE_MAX_TOKENS, "decode points are those with M at most 16")
+    },
 )

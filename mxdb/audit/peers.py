@@ -228,19 +228,6 @@ def _runs_problems(
     return bad
 
 
-def _preflight(sink: FindingSink, rel: str, doc: Mapping[str, Any], _: Context) -> bool:
-    if doc["decode_max_tokens"] != DECODE_MAX_TOKENS:
-        sink.add(
-            "peers.field_mismatch",
-            rel,
-            "decode_max_tokens",
-            DECODE_MAX_TOKENS,
-            doc["decode_max_tokens"],
-            "decode points are those with M at most 16",
-        )
-    return True
-
-
 def _figures(doc: Mapping[str, Any], ctx: Context) -> Mapping[str, Any]:
     figs = {h: trace_figures(t["ids"]) for h, t in ctx.traces.items()}
     # the layout with explanations is recognised by that field; older documents lack it
@@ -277,6 +264,8 @@ KIND = ClaimKind(
     units=(Unit("points", check=_point_ok),),
     figures=_figures,
     targets=TARGETS,
-    preflight=_preflight,
+    settings={
+        "decode_max_tokens": (DECODE_MAX_TOKENS, "decode points are those with M at most 16")
+    },
     whole_document=True,
 )

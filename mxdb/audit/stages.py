@@ -11,10 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mxdb.audit.claims import ClaimKind, Context, Path_, Unit
+from mxdb.audit.claims import ClaimKind, Context, Path_, Unit, check_samples, check_shape_and_config
 from mxdb.audit.findings import FindingSink
-from mxdb.configs import config_hash
-from mxdb.evidence import stats
 from mxdb.evidence.stages import (
     DECODE_MAX_TOKENS,
     LARGE_MIN_TOKENS,
@@ -23,7 +21,6 @@ from mxdb.evidence.stages import (
     build_figures,
     point_figures,
 )
-from mxdb.shapes import preset_shape
 
 
 def _code(path: Path_) -> str:
@@ -37,49 +34,20 @@ def _code(path: Path_) -> str:
 def _point_ok(sink: FindingSink, rel: str, where: str, p: Mapping[str, Any], _: Context) -> bool:
     ok = True
     for name in SERIES:
-        samples = p["samples"].get(name)
-        if samples is None or (not samples and name != "align"):
+        if not p["samples"].get(name) and name != "align":  # the pipeline may skip alignment
             sink.add("stages.sample_invalid", rel, f"{where}.samples.{name}",
-                     "at least one sample", samples, "a stage without samples")  # fmt: skip
+                     "at least one sample", p["samples"].get(name), "a stage without samples")  # fmt: skip
             ok = False
-            continue
-        bad = [j for j, x in enumerate(samples) if not stats.valid_sample(x)]
-        if bad:
-            sink.add("stages.sample_invalid", rel, f"{where}.samples.{name}[{bad[0]}]",
-                     "a finite positive number of microseconds", samples[bad[0]],
-                     f"{len(bad)} invalid timing sample(s)")  # fmt: skip
-            ok = False
-    try:
-        want = preset_shape(p["family"], p["tokens"], p["shape"]["dtype"]).to_dict()
-    except Exception:  # an unknown family or dtype: no shape can match
-        want = {"family": p["family"], "tokens": p["tokens"]}
-    if want != p["shape"]:
-        sink.add("stages.shape_mismatch", rel, f"{where}.shape", want, p["shape"],
-                 "the shape is not that of the family at this token count")  # fmt: skip
-        ok = False
-    try:
-        h = config_hash(p["config"])
-    except Exception as exc:  # a config that cannot be hashed is a finding, not a crash
-        h = f"no hash ({type(exc).__name__})"
-    if h != p["config_hash"]:
-        sink.add("stages.config_hash_mismatch", rel, f"{where}.config_hash", h,
-                 p["config_hash"], "config_hash is not the hash of the config")  # fmt: skip
+    ok &= check_samples(sink, rel, f"{where}.samples", "stages", p["samples"])
+    check_shape_and_config(sink, rel, where, "stages", p)
     return ok
 
 
 def _preflight(sink: FindingSink, rel: str, doc: Mapping[str, Any], _: Context) -> bool:
     bw = doc["bandwidth"]
-    for key in ("copy_samples", "read_samples", "matmul_samples"):
-        if not all(stats.valid_sample(x) for x in bw[key]):
-            sink.add("stages.sample_invalid", rel, f"bandwidth.{key}",
-                     "finite positive bytes per second", bw[key], "invalid bandwidth sample")  # fmt: skip
-            return False
-    for key, want in (("decode_max_tokens", DECODE_MAX_TOKENS),
-                      ("large_min_tokens", LARGE_MIN_TOKENS)):  # fmt: skip
-        if doc[key] != want:
-            sink.add("stages.field_mismatch", rel, key, want, doc[key],
-                     "the size groups are mxdb's")  # fmt: skip
-    return True
+    return check_samples(sink, rel, "bandwidth", "stages", {
+        k: bw[k] for k in ("copy_samples", "read_samples", "matmul_samples")
+    }, "a finite positive rate (bytes or FLOP per second)")  # fmt: skip
 
 
 def _point(p: Mapping[str, Any], ctx: Context) -> Mapping[str, Any]:
@@ -105,4 +73,8 @@ KIND = ClaimKind(
     units=(Unit("points", check=_point_ok, figures=_point),),
     figures=_figures,
     preflight=_preflight,
+    settings={
+        "decode_max_tokens": (DECODE_MAX_TOKENS, "decode points are those with M at most 16"),
+        "large_min_tokens": (LARGE_MIN_TOKENS, "large points are those with M at least 64"),
+    },
 )
