@@ -18,7 +18,7 @@ from mxdb.configs import GemmConfig, KernelConfig
 from mxdb.evidence.writer import BundleWriter
 from mxdb.fingerprint import recorded
 from mxdb.models import Entry, Fingerprint
-from mxdb.shapes import MoEShape
+from mxdb.shapes import MoEShape, memory_floor_bytes
 from mxdb.version import __version__
 
 #: The recorded H200 host (``mxdb.fingerprint.H200``) that synthetic bundles claim.
@@ -86,7 +86,7 @@ def synthetic_bundle(
             experts=e,
             generator={"kind": routing, "seed": seed + gi, "params": {"synthetic": True}},
         )
-        floor = 3 * h * i * 2 * min(e, k * m) / 4.27e12 * 1e6
+        floor = memory_floor_bytes(min(e, k * m), h, i, dtype) / 4.27e12 * 1e6
         base_us = floor * rng.uniform(1.25, 1.8) + 6.0
         good = _ERRORS[dtype]
 
