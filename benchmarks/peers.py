@@ -29,8 +29,8 @@ drawn by ``mxdb.routing_gen`` kind ``logits`` with seed ``heldout_seed(preset, M
 own (class, reasons and configs recorded per instance), and timed in its own interleaved
 rounds of random order (order seed = its seed; ``instance_reps`` rounds: about 1.6x one
 instance's rounds pooled, never fewer than ``verdict.MIN_ROUNDS`` per instance).  The raw
-point then holds ``instances``; ``publish`` writes ``mxdb.peers`` 1.2, whose verdict per point
-pools the instances' rounds.  The dispatcher answers as the export's
+point then holds ``instances``; ``publish`` writes ``mxdb.peers`` 1.3 (the 1.2 layout, judged
+on the held-out targets), whose verdict per point pools the instances' rounds.  The dispatcher answers as the export's
 fingerprint that equals this host's (else the export's first one), under the strict policy.
 
 ``publish``: writes the evidence bundle from OUT.json: runs with raw samples, summary, report, and

@@ -169,8 +169,11 @@ def _doc(root: Path) -> dict[str, Any]:
 def test_pooled_bundle_audits_clean_and_holds_its_instances(published: Path) -> None:
     assert _checks(published) == set()
     doc = _doc(published)
-    assert doc["schema_version"] == "1.2" and doc["rule"] == "verdict"
+    assert doc["schema_version"] == "1.3" and doc["rule"] == "verdict"
+    # judged on the held-out targets: the same checks, the geomeans at 1.03x and 1.01x
     assert {t["name"] for t in doc["targets"]} == {t.name for t in TARGETS}
+    thresholds = {t["name"]: t["threshold"] for t in doc["targets"]}
+    assert thresholds["c_vs_flaggems_geomean"] == 1.03 and thresholds["c_vs_vllm_geomean"] == 1.01
     p = doc["points"][0]
     assert p["runs"] is None and p["trace_hash"] is None
     assert [i["instance"] for i in p["instances"]] == [0, 1, 2]
@@ -389,6 +392,28 @@ def test_instance_rounds_keep_the_run_time_and_the_minimum() -> None:
             assert reps >= verdict.MIN_ROUNDS
 
 
+def test_a_pooled_document_of_schema_1_2_keeps_its_targets(published: Path, tmp_path: Path) -> None:
+    """1.2 documents (before the held-out targets) audit by the targets they were written with;
+    a 1.2 document carrying the held-out thresholds, or a 1.3 one the earlier, is a finding."""
+    from mxdb.evidence.files import dumps
+    from mxdb.evidence.peers import HELDOUT_TARGETS, build_targets
+    from mxdb.evidence.writer import write_manifest
+
+    def rewrite(version: str, specs: Any) -> set[str]:
+        dst = tmp_path / f"b{version}{len(specs)}{specs[0].threshold}"
+        shutil.copytree(published, dst)
+        doc = _doc(dst)
+        doc["schema_version"] = version
+        doc["targets"] = build_targets(doc["figures"], specs)
+        (dst / "peers.json").write_bytes(dumps(doc))
+        write_manifest(dst, bundle_id="h200-peers-pooled", milestone="h200-peers-pooled")
+        return _checks(dst)
+
+    assert rewrite("1.2", TARGETS) == set()
+    assert "peers.target_threshold_mismatch" in rewrite("1.2", HELDOUT_TARGETS)
+    assert "peers.target_threshold_mismatch" in rewrite("1.3", TARGETS)
+
+
 def test_old_raw_layouts_publish_as_before(tmp_path: Path) -> None:
     """A single-instance held-out raw output still publishes as schema 1.1."""
     bundle = _publish(_single(_raw(), 2), tmp_path, "h200-peers-old")
@@ -535,7 +560,7 @@ def test_heldout_run_times_each_instance_on_its_own(
     peers.publish(out, bundle)
     assert _checks(bundle) == set()
     doc = _doc(bundle)
-    assert doc["schema_version"] == "1.2" and doc["figures"]["n_instances"] == 234
+    assert doc["schema_version"] == "1.3" and doc["figures"]["n_instances"] == 234
 
 
 def test_sparse_workload_covers_the_class_heldout_zipf_instances_of_qwen3_fall_in() -> None:

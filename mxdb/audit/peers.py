@@ -26,8 +26,8 @@ from mxdb.evidence.peers import (
     ENTRY_REASONS,
     LABELS,
     ROLES,
-    TARGETS,
     build_peers,
+    targets_for,
     trace_class,
     trace_figures,
 )
@@ -253,6 +253,7 @@ def _figures(doc: Mapping[str, Any], ctx: Context) -> Mapping[str, Any]:
         rule=doc.get("rule"),
         routing_source=doc.get("routing_source"),
         trace_classes=classes,
+        schema_version=doc["schema_version"],
     )
 
 
@@ -263,7 +264,7 @@ KIND = ClaimKind(
     codes=_code,
     units=(Unit("points", check=_point_ok),),
     figures=_figures,
-    targets=TARGETS,
+    targets=lambda doc: targets_for(doc["schema_version"]),
     settings={
         "decode_max_tokens": (DECODE_MAX_TOKENS, "decode points are those with M at most 16")
     },

@@ -34,6 +34,10 @@ run is round ``r``), and "slower" / "faster" are the one verdict rule's outcomes
 ``routing_source`` says where the points' routing came from (held-out instances of a
 generator the tuner never used).
 
+Documents of schema 1.3 are the 1.2 layout below, judged on the targets of a comparison on
+held-out routing (:data:`HELDOUT_TARGETS`: 1.03x over FlagGems' choice, 1.01x over vLLM's
+table, no point slower than either); 1.2 documents keep :data:`TARGETS`.
+
 Documents of schema 1.2 (``rule: "verdict"``, points with ``instances``) judge each point, a
 routing *distribution* (family, M, routing kind), on several held-out instances of it (K
 traces drawn with different seeds), each timed in its own interleaved rounds of random order.
@@ -108,7 +112,7 @@ from mxdb.shapes import memory_floor_bytes
 
 PEERS_FILE = "peers.json"
 SCHEMA = "mxdb.peers"
-SCHEMA_VERSION = "1.2"
+SCHEMA_VERSION = "1.3"
 #: The version of documents judged by the verdict rule on one routing instance per point.
 SINGLE_INSTANCE_VERSION = "1.1"
 DECODE_MAX_TOKENS = 16
@@ -217,6 +221,34 @@ TARGETS: tuple[TargetSpec, ...] = (
         "memory-bound floor, geomean",
     ),
 )
+
+
+#: The targets of a comparison on held-out routing (documents of schema 1.3): the held-out
+#: peers figures of verification, with the other checks of :data:`TARGETS`.
+HELDOUT_TARGETS: tuple[TargetSpec, ...] = (
+    TargetSpec(
+        name="c_vs_flaggems_geomean",
+        figure="geomean_speedup_c_over_a",
+        comparison="ge",
+        threshold=1.03,
+        statement="GPU time on held-out routing: geomean speedup of mxdb's dispatch (c) over "
+        "FlagGems' own config (a) of at least 1.03x over all points",
+    ),
+    TargetSpec(
+        name="c_vs_vllm_geomean",
+        figure="geomean_speedup_c_over_b",
+        comparison="ge",
+        threshold=1.01,
+        statement="GPU time on held-out routing: geomean speedup of mxdb's dispatch (c) over "
+        "vLLM's H200 table (b) of at least 1.01x over all points",
+    ),
+    *(t for t in TARGETS if t.name not in ("c_vs_flaggems_geomean", "c_vs_vllm_geomean")),
+)
+
+
+def targets_for(schema_version: str) -> tuple[TargetSpec, ...]:
+    """The targets a document of ``schema_version`` is judged on (1.3: held-out routing)."""
+    return HELDOUT_TARGETS if schema_version == "1.3" else TARGETS
 
 
 def judge(comparison: str, measured: float | None, threshold: float) -> bool:
@@ -507,7 +539,7 @@ class PeersDoc(_Doc):
     model_config = _optional("explanations", "rule", "routing_source")
 
     schema_name: Literal["mxdb.peers"] = Field(default="mxdb.peers", alias="schema")
-    schema_version: Literal["1.0", "1.1", "1.2"] = "1.2"
+    schema_version: Literal["1.0", "1.1", "1.2", "1.3"] = "1.3"
     milestone: str
     fingerprint_hash: str
     bandwidth_bytes_per_s: float = Field(
@@ -943,13 +975,14 @@ def build_peers(
     fingerprint_hash: str,
     bandwidth_bytes_per_s: float,
     decode_max_tokens: int = DECODE_MAX_TOKENS,
-    targets: Sequence[TargetSpec | Mapping[str, Any]] = TARGETS,
+    targets: Sequence[TargetSpec | Mapping[str, Any]] | None = None,
     dispatch_cost: Mapping[str, Mapping[str, float]] | None = None,
     errors: Sequence[str] = (),
     hot_shares: Mapping[str, float] | None = None,
     rule: str | None = None,
     routing_source: str | None = None,
     trace_classes: Mapping[str, str] | None = None,
+    schema_version: str | None = None,
 ) -> dict[str, Any]:
     """The ``peers.json`` document: ``points`` give identity and run ids, the rest is computed.
 
@@ -963,7 +996,8 @@ def build_peers(
     ``runs`` and optionally ``dispatch_reason_c`` / ``dispatch_reason_d``; it needs
     ``rule="verdict"``, ``hot_shares`` and ``trace_classes`` (trace hash -> :func:`trace_class`),
     and its figures pool the instances (:func:`pooled_point_figures`).  Any such point makes the
-    document schema 1.2.
+    document schema 1.3 (the 1.2 layout; ``targets`` default to :func:`targets_for` it);
+    ``schema_version="1.2"`` rebuilds an earlier pooled document as it was written.
     """
     pooled = any(p.get("instances") for p in points)
     if pooled and (rule != "verdict" or hot_shares is None or trace_classes is None):
@@ -996,11 +1030,14 @@ def build_peers(
     if hot_shares is not None:
         skew_costs(rows)
     figures = aggregate(rows, decode_max_tokens)
+    version = SCHEMA_VERSION if pooled else (SINGLE_INSTANCE_VERSION if rule else "1.0")
+    if pooled and schema_version in ("1.2", "1.3"):
+        version = schema_version
+    if targets is None:
+        targets = targets_for(version)
     doc: dict[str, Any] = {
         "schema": SCHEMA,
-        "schema_version": SCHEMA_VERSION
-        if pooled
-        else (SINGLE_INSTANCE_VERSION if rule else "1.0"),
+        "schema_version": version,
         "milestone": milestone,
         "fingerprint_hash": fingerprint_hash,
         "bandwidth_bytes_per_s": bandwidth_bytes_per_s,
