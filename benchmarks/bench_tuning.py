@@ -80,22 +80,25 @@ class _Forwarding:
 
 
 class Metered(_Forwarding):
-    """Wraps a backend and adds up the GPU time its time() and check() calls take."""
+    """Wraps a backend and meters its time() and check() calls: the GPU seconds each took (the
+    fake backend's simulated seconds; wall-clock seconds on a real GPU) and the GPU time of the
+    samples time() returned."""
 
-    def __init__(self, inner: Backend) -> None:
+    def __init__(self, inner: Any) -> None:
         super().__init__(inner)
-        self.gpu_s = 0.0
+        self.wall: list[float] = []
+        self.sampled_s = 0.0
 
-    def _gpu_now(self) -> float | None:
-        counters = getattr(self.inner, "counters", None)
-        return float(counters.gpu_seconds) if counters is not None else None
-
-    def _spend(self, t0: float, g0: float | None) -> None:
-        g1 = self._gpu_now()
-        self.gpu_s += (g1 - g0) if (g0 is not None and g1 is not None) else time.monotonic() - t0
+    @property
+    def gpu_s(self) -> float:
+        return float(sum(self.wall))
 
     def clock(self) -> float:
         return self.gpu_s
+
+    def _now(self) -> float:
+        counters = getattr(self.inner, "counters", None)
+        return float(counters.gpu_seconds) if counters is not None else time.monotonic()
 
     def time(
         self,
@@ -108,19 +111,21 @@ class Metered(_Forwarding):
         method: str = "graph",
         order_seed: int | None = None,
     ) -> list[Timing]:
-        t0, g0 = time.monotonic(), self._gpu_now()
+        t0 = self._now()
         out = self.inner.time(
             shape, topk_ids, configs, reps=reps, seed=seed, method=method, order_seed=order_seed
         )
-        self._spend(t0, g0)
+        self.wall.append(self._now() - t0)
+        calls = getattr(self.inner, "calls_per_sample", 1)
+        self.sampled_s += sum(sum(t.samples_us) for t in out) * calls * 1e-6
         return out
 
     def check(
         self, shape: MoEShape, topk_ids: np.ndarray, config: KernelConfig, *, seed: int
     ) -> Correctness:
-        t0, g0 = time.monotonic(), self._gpu_now()
+        t0 = self._now()
         out = self.inner.check(shape, topk_ids, config, seed=seed)
-        self._spend(t0, g0)
+        self.wall.append(self._now() - t0)
         return out
 
 
@@ -269,55 +274,6 @@ def _point_traces(
     )
 
 
-class _GpuMeter(_Forwarding):
-    """Wall time of time()/check() calls and the replayed GPU time of their samples."""
-
-    def __init__(self, inner: Any) -> None:
-        super().__init__(inner)
-        self.wall: list[float] = []
-        self.sampled_s = 0.0
-
-    @property
-    def gpu_s(self) -> float:
-        return float(sum(self.wall))
-
-    def clock(self) -> float:
-        return self.gpu_s
-
-    def _now(self) -> float:
-        # the fake backend's simulated GPU seconds; wall-clock seconds on a real GPU
-        counters = getattr(self.inner, "counters", None)
-        return float(counters.gpu_seconds) if counters is not None else time.monotonic()
-
-    def time(
-        self,
-        shape: MoEShape,
-        topk_ids: np.ndarray,
-        configs: Sequence[KernelConfig],
-        *,
-        reps: int,
-        seed: int,
-        method: str = "graph",
-        order_seed: int | None = None,
-    ) -> list[Timing]:
-        t0 = self._now()
-        out = self.inner.time(
-            shape, topk_ids, configs, reps=reps, seed=seed, method=method, order_seed=order_seed
-        )
-        self.wall.append(self._now() - t0)
-        calls = getattr(self.inner, "calls_per_sample", 1)
-        self.sampled_s += sum(sum(t.samples_us) for t in out) * calls * 1e-6
-        return out
-
-    def check(
-        self, shape: MoEShape, topk_ids: np.ndarray, config: KernelConfig, *, seed: int
-    ) -> Correctness:
-        t0 = self._now()
-        out = self.inner.check(shape, topk_ids, config, seed=seed)
-        self.wall.append(self._now() - t0)
-        return out
-
-
 def _grid_configs(shape: MoEShape, backend: Any, which: str) -> tuple[list[KernelConfig], int]:
     """The sweep's configs that pass the resource proxy, and how many the proxy dropped."""
     space = SearchSpace(shape, backend.profile())
@@ -457,7 +413,7 @@ def _gpu_worker(device: int, tasks: Any, results: Any, compile_workers: int) -> 
         task = tasks.get()
         if task is None:
             break
-        meter = _GpuMeter(gpu)
+        meter = Metered(gpu)
         t0 = time.monotonic()
         try:
             fn = {"sweep": _sweep, "mxdb": _mxdb, "final": _final}[task["kind"]]
@@ -739,14 +695,14 @@ def main_reuse(args: argparse.Namespace) -> int:
         common = {"dtype": sp["dtype"], "seed": sp["seed"], "point": pt}
         budget = BUDGET_FRACTION * sp["exhaustive_gpu_seconds"]
         tp = time.monotonic()
-        mx = _mxdb(_GpuMeter(backend), {**common, "options": options, "budget_s": budget})
+        mx = _mxdb(Metered(backend), {**common, "options": options, "budget_s": budget})
         mx["wall_seconds"] = time.monotonic() - tp
         b1 = KernelConfig.parse(sp["sweeps"]["gemm1"]["best"])
         b2 = KernelConfig.parse(sp["sweeps"]["gemm2"]["best"])
         lineup = [b1, b2, joint(b1.gemm1, b2.gemm2), KernelConfig.parse(mx["winner"])]
         tf = time.monotonic()
         final = _final(
-            _GpuMeter(backend),
+            Metered(backend),
             {
                 **common,
                 "lineup": [c.model_dump_json() for c in lineup],
@@ -811,7 +767,7 @@ def _run_inline(kind: str, seed: int, tasks: list[dict[str, Any]]) -> dict[str, 
     fns = {"sweep": _sweep, "mxdb": _mxdb, "final": _final}
     out: dict[str, Any] = {}
     for task in tasks:
-        r = fns[task["kind"]](_GpuMeter(backend), task)
+        r = fns[task["kind"]](Metered(backend), task)
         out[task["id"]] = {**r, "ok": True, "id": task["id"], "device": 0}
     return out
 

@@ -51,14 +51,14 @@ def simulate(
     task = {**common, "options": options, "budget_s": budget}
     if search_seed is not None:
         task["search_seed"] = search_seed
-    mx = bt._mxdb(bt._GpuMeter(backend), task)
+    mx = bt._mxdb(bt.Metered(backend), task)
     b1 = KernelConfig.parse(sp["sweeps"]["gemm1"]["best"])
     b2 = KernelConfig.parse(sp["sweeps"]["gemm2"]["best"])
     from mxdb.tune.space import joint
 
     lineup = [b1, b2, joint(b1.gemm1, b2.gemm2), KernelConfig.parse(mx["winner"])]
     final = bt._final(
-        bt._GpuMeter(backend),
+        bt.Metered(backend),
         {
             **common,
             "lineup": [c.model_dump_json() for c in lineup],
