@@ -79,7 +79,13 @@ def publish(raw_path: Path, bundle: Path) -> None:
     """Write the lean-layer evidence bundle from the raw JSON (figures computed by mxdb)."""
 
     from mxdb.configs import config_hash
-    from mxdb.evidence.lean_layer import LEAN_LAYER_FILE, LeanLayerDoc, build_lean_layer
+    from mxdb.evidence.lean_layer import (
+        LEAN_LAYER_FILE,
+        REPORT_FILE,
+        LeanLayerDoc,
+        build_lean_layer,
+        render,
+    )
     from mxdb.evidence.writer import make_correctness, publish_bundle
     from mxdb.models import Fingerprint
     from mxdb.shapes import preset_shape
@@ -120,45 +126,9 @@ def publish(raw_path: Path, bundle: Path) -> None:
     publish_bundle(
         bundle,
         fingerprint=fp,
-        files={LEAN_LAYER_FILE: doc, "report/lean_layer.md": render(doc)},
+        files={LEAN_LAYER_FILE: doc, REPORT_FILE: render(doc)},
         milestone=milestone,
     )
-
-
-def render(doc: dict[str, Any]) -> str:
-    """``report/lean_layer.md``: a view of ``lean_layer.json`` (the audit checks the JSON)."""
-    from mxdb.evidence.peers import targets_markdown
-
-    def x(v: Any) -> str:
-        return "-" if v is None else f"{v:.3f}"
-
-    f = doc["figures"]
-    lines = [
-        "# The lean MoE layer: eager against graph replay and FlagGems' fused_experts_impl",
-        "",
-        f"- decode (M <= {doc['decode_max_tokens']}, {f['n_decode_points']} points): eager/graph "
-        f"of MoELayer {x(f['decode_geomean_eager_over_graph_layer'])} (geomean, max "
-        f"{x(f['decode_max_eager_over_graph_layer'])}); eager MoELayer "
-        f"{x(f['decode_geomean_eager_speedup_layer_over_fused_experts_impl'])}x faster than "
-        f"fused_experts_impl; per-call synced "
-        f"{x(f['decode_geomean_synced_speedup_layer_over_fused_experts_impl'])}x; host time "
-        f"{x(f['decode_geomean_host_speedup_layer_over_fused_experts_impl'])}x",
-        "",
-        "| family | M | graph us | eager us | eager/graph | fei eager us | fei/layer eager | "
-        "synced fei/layer | host layer us | host fei us |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for p in doc["points"]:
-        m, h = p["median_us"], p["host_us"]
-        lines.append(
-            f"| {p['family']} | {p['tokens']} | {x(m['graph_layer'])} | {x(m['eager_layer'])} | "
-            f"{x(p['eager_over_graph_layer'])} | {x(m['eager_fused_experts_impl'])} | "
-            f"{x(p['eager_speedup_layer_over_fused_experts_impl'])} | "
-            f"{x(p['synced_speedup_layer_over_fused_experts_impl'])} | {x(h['layer'])} | "
-            f"{x(h['fused_experts_impl'])} |"
-        )
-    lines += ["", *targets_markdown(doc["targets"])]
-    return "\n".join(lines) + "\n"
 
 
 def main() -> None:

@@ -145,7 +145,7 @@ def run(a: argparse.Namespace) -> None:
 def publish(raw_path: Path, bundle: Path) -> Path:
     """Write the stage-profile bundle from the raw JSON (every figure computed by mxdb)."""
     from mxdb.configs import KernelConfig
-    from mxdb.evidence.stages import STAGES_FILE, StagesDoc, build_stages, render
+    from mxdb.evidence.stages import REPORT_FILE, STAGES_FILE, StagesDoc, build_stages, render
     from mxdb.evidence.writer import publish_bundle
     from mxdb.models import Fingerprint
     from mxdb.shapes import preset_shape
@@ -174,7 +174,7 @@ def publish(raw_path: Path, bundle: Path) -> Path:
     return publish_bundle(
         bundle,
         fingerprint=fp,
-        files={STAGES_FILE: doc, "report/stages.md": render(doc)},
+        files={STAGES_FILE: doc, REPORT_FILE: render(doc)},
         milestone=bundle.name,
     )
 

@@ -96,10 +96,17 @@ def bundle(published: Path, tmp_path: Path) -> Path:
 
 
 def _edit(root: Path, change: Any) -> None:
-    """Change lean_layer.json and re-manifest, so only the semantic checks can catch it."""
+    """Change lean_layer.json, re-render its report and re-manifest, so only the semantic
+    checks of the figures can catch it."""
+    from mxdb.evidence.lean_layer import REPORT_FILE, render
+
     doc = json.loads((root / "lean_layer.json").read_text())
     change(doc)
     (root / "lean_layer.json").write_bytes(dumps(doc))
+    try:
+        (root / REPORT_FILE).write_text(render(doc))
+    except (KeyError, TypeError, ValueError, AttributeError):
+        pass  # a document the report cannot show: the audit says so too
     write_manifest(root, bundle_id="h200-lean-layer", milestone="h200-lean-layer")
 
 
@@ -197,3 +204,10 @@ def test_committed_bundle_passes_audit() -> None:
     assert doc["figures"]["n_points"] == 14 and doc["figures"]["n_decode_points"] == 10
     fp = json.loads((COMMITTED / "fingerprint.json").read_text())
     assert doc["fingerprint_hash"] == fp["hash"]
+
+
+def test_an_edited_report_is_a_finding(bundle: Path) -> None:
+    md = bundle / "report" / "lean_layer.md"
+    md.write_text(md.read_text().replace("| mixtral-8x7b | 64 |", "| mixtral-8x7b | 65 |"))
+    write_manifest(bundle, bundle_id="h200-lean-layer", milestone="h200-lean-layer")
+    assert _checks(bundle) == {"lean_layer.report_mismatch"}

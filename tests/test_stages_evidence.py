@@ -126,3 +126,13 @@ def test_every_kind_of_edit_is_a_finding(
     codes = {f.check for f in _audit(dst)}
     assert code in codes, codes
     assert code in CHECKS
+
+
+def test_an_edited_report_is_a_finding(bundle: Path, tmp_path: Path) -> None:
+    dst = tmp_path / "b"
+    shutil.copytree(bundle, dst)
+    md = dst / "report" / "stages.md"
+    md.write_text(md.read_text().replace("| mixtral-8x7b | 1 |", "| mixtral-8x7b | 2 |"))
+    write_manifest(dst, bundle_id="h200-stages", milestone="h200-stages")
+    (f,) = [f for f in _audit(dst) if f.check == "stages.report_mismatch"]
+    assert f.file.endswith("report/stages.md") and f.field.startswith("line ")

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from mxdb.audit import decode
-from mxdb.audit.claims import Context, audit_claim
+from mxdb.audit.claims import Context, audit_claim, check_rendering
 from mxdb.audit.compare import Tol, same
 from mxdb.audit.fastschema import compile_schema
 from mxdb.audit.findings import AuditOptions, AuditResult, BundleResult, Finding
@@ -510,23 +510,10 @@ class _BundleAudit:
                 "report.markdown", "report/report.md", "", "a report", str(exc), "cannot render"
             )
             return
-        if md != want:
-            got_lines, want_lines = (
-                md.decode("utf-8", "replace").splitlines(),
-                want.decode().splitlines(),
-            )
-            line = next(
-                (i for i, (a, b) in enumerate(zip(got_lines, want_lines, strict=False)) if a != b),
-                min(len(got_lines), len(want_lines)),
-            )
-            self.add(
-                "report.markdown_mismatch",
-                "report/report.md",
-                f"line {line + 1}",
-                want_lines[line] if line < len(want_lines) else "(end of file)",
-                got_lines[line] if line < len(got_lines) else "(end of file)",
-                "report.md is not the rendering of report.json (edited by hand?)",
-            )
+        check_rendering(
+            self, "report/report.md", "report.markdown_mismatch", md, want,
+            "report.md is not the rendering of report.json",
+        )  # fmt: skip
 
     def check_claims(
         self, contents: dict[str, bytes], runs: dict[str, Any], traces: dict[str, Any]

@@ -92,6 +92,9 @@ class ClaimKind:
     #: fixed settings of the kind: key -> (mxdb's value, why); another value is a
     #: ``<name>.field_mismatch``
     settings: Mapping[str, tuple[Any, str]] = field(default_factory=dict)
+    #: ``(file, render)``: the bundle's report file, when present, must be exactly
+    #: ``render(doc)`` (else ``<name>.report_mismatch``)
+    report: tuple[str, Callable[[Mapping[str, Any]], str]] | None = None
 
     def code(self, path: Path_) -> str:
         c = self.codes(path)
@@ -130,6 +133,16 @@ def audit_claim(
     for key, (want, why) in kind.settings.items():
         if doc.get(key) != want:
             sink.add(f"{kind.name}.field_mismatch", rel, key, want, doc.get(key), why)
+    if kind.report is not None and kind.report[0] in ctx.contents:
+        name, render = kind.report
+        try:
+            want = render(doc).encode()
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            sink.add(f"{kind.name}.report_mismatch", name, "", "a report", str(exc)[:160],
+                     "cannot render")  # fmt: skip
+        else:
+            check_rendering(sink, name, f"{kind.name}.report_mismatch", ctx.contents[name],
+                            want, f"{name} is not the rendering of {kind.document}")  # fmt: skip
     if kind.preflight is not None and not kind.preflight(sink, rel, doc, ctx):
         return
     all_ok = True
@@ -164,6 +177,30 @@ def audit_claim(
             else recomputed.get(kind.figures_key) or {}
         )
         check_targets(sink, rel, kind.name, doc.get("targets") or [], specs, figures, tol)
+
+
+def check_rendering(
+    sink: FindingSink, rel: str, code: str, got: bytes, want: bytes, why: str
+) -> bool:
+    """A ``code`` finding at the first line where a rendered file differs from its rendering
+    (edited by hand?); True when they are the same bytes."""
+    if got == want:
+        return True
+    got_lines = got.decode("utf-8", "replace").splitlines()
+    want_lines = want.decode().splitlines()
+    line = next(
+        (i for i, (a, b) in enumerate(zip(got_lines, want_lines, strict=False)) if a != b),
+        min(len(got_lines), len(want_lines)),
+    )
+    sink.add(
+        code,
+        rel,
+        f"line {line + 1}",
+        want_lines[line] if line < len(want_lines) else "(end of file)",
+        got_lines[line] if line < len(got_lines) else "(end of file)",
+        f"{why} (edited by hand?)",
+    )
+    return False
 
 
 def check_samples(

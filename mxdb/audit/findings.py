@@ -159,6 +159,7 @@ CHECKS: dict[str, str] = {
     "lean_layer.target_measured_mismatch": "a lean-layer target's measured value differs",
     "lean_layer.target_verdict_mismatch": "a lean-layer target's pass flag is not its verdict",
     "lean_layer.field_mismatch": "another lean-layer field differs from its recomputation",
+    "lean_layer.report_mismatch": "report/lean_layer.md is not the rendering of lean_layer.json",
     "healing.fingerprint_mismatch": "a self-healing run's fingerprint is not the bundle's",
     "healing.config_mismatch": "a self-healing candidate's config hash is wrong, or repeated",
     "healing.calibration_mismatch": "a calibration median is not the median of its samples",
@@ -199,6 +200,7 @@ CHECKS: dict[str, str] = {
     "stages.bandwidth_mismatch": "a bandwidth median differs from its samples",
     "stages.geomean_mismatch": "a stage-profile geometric mean or count differs",
     "stages.field_mismatch": "another stage-profile field differs from mxdb's",
+    "stages.report_mismatch": "report/stages.md is not the rendering of stages.json",
 }
 
 

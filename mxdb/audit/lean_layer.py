@@ -15,7 +15,14 @@ from typing import Any
 
 from mxdb.audit.claims import ClaimKind, Context, Path_, Unit, check_samples, check_shape_and_config
 from mxdb.audit.findings import FindingSink
-from mxdb.evidence.lean_layer import DECODE_MAX_TOKENS, SERIES, TARGETS, build_lean_layer
+from mxdb.evidence.lean_layer import (
+    DECODE_MAX_TOKENS,
+    REPORT_FILE,
+    SERIES,
+    TARGETS,
+    build_lean_layer,
+    render,
+)
 from mxdb.evidence.thresholds import THRESHOLDS, passes
 
 _POINT_CODES: dict[str, str] = {
@@ -87,6 +94,7 @@ KIND = ClaimKind(
     figures=_figures,
     targets=TARGETS,
     whole_document=True,
+    report=(REPORT_FILE, render),
     settings={
         "decode_max_tokens": (DECODE_MAX_TOKENS, "decode points are those with M at most 16")
     },

@@ -73,8 +73,6 @@ def _code(path: Path_) -> str:
 
 
 def _preflight(sink: FindingSink, rel: str, doc: Mapping[str, Any], ctx: Context) -> bool:
-    if REPORT_FILE in ctx.contents:
-        _check_report(sink, REPORT_FILE, doc, ctx.contents[REPORT_FILE])
     specs = {t.name: t for t in targets_for(doc["schema_version"])}
     for i, t in enumerate(doc["targets"]):
         spec = specs.get(str(t.get("name")))
@@ -218,30 +216,6 @@ def _layout_ok(sink: FindingSink, rel: str, doc: Mapping[str, Any]) -> bool:
     return ok
 
 
-def _check_report(sink: FindingSink, rel: str, doc: Mapping[str, Any], md: bytes) -> None:
-    try:
-        want = render_report(doc).encode()
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
-        sink.add("serving.report_mismatch", rel, "", "a report", str(exc)[:160], "cannot render")
-        return
-    if md == want:
-        return
-    got_lines = md.decode("utf-8", "replace").splitlines()
-    want_lines = want.decode().splitlines()
-    line = next(
-        (i for i, (a, b) in enumerate(zip(got_lines, want_lines, strict=False)) if a != b),
-        min(len(got_lines), len(want_lines)),
-    )
-    sink.add(
-        "serving.report_mismatch",
-        rel,
-        f"line {line + 1}",
-        want_lines[line] if line < len(want_lines) else "(end of file)",
-        got_lines[line] if line < len(got_lines) else "(end of file)",
-        "report.md is not the rendering of serving.json (edited by hand?)",
-    )
-
-
 def _figures(doc: Mapping[str, Any], _: Context) -> Mapping[str, Any]:
     hk, hl = doc["hooked"], doc["healing"]
     return build_serving(
@@ -263,5 +237,6 @@ KIND = ClaimKind(
     targets=lambda doc: targets_for(doc["schema_version"]),
     target_figures=flat_figures,
     preflight=_preflight,
+    report=(REPORT_FILE, render_report),
     whole_document=True,
 )

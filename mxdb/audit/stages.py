@@ -16,10 +16,12 @@ from mxdb.audit.findings import FindingSink
 from mxdb.evidence.stages import (
     DECODE_MAX_TOKENS,
     LARGE_MIN_TOKENS,
+    REPORT_FILE,
     SERIES,
     bandwidth_figures,
     build_figures,
     point_figures,
+    render,
 )
 
 
@@ -73,6 +75,7 @@ KIND = ClaimKind(
     units=(Unit("points", check=_point_ok, figures=_point),),
     figures=_figures,
     preflight=_preflight,
+    report=(REPORT_FILE, render),
     settings={
         "decode_max_tokens": (DECODE_MAX_TOKENS, "decode points are those with M at most 16"),
         "large_min_tokens": (LARGE_MIN_TOKENS, "large points are those with M at least 64"),

@@ -39,6 +39,7 @@ from mxdb.evidence.models import ShapeDoc, _Doc
 from mxdb.shapes import memory_floor_bytes
 
 STAGES_FILE = "stages.json"
+REPORT_FILE = "report/stages.md"
 SCHEMA = "mxdb.stages"
 SCHEMA_VERSION = "1.0"
 DECODE_MAX_TOKENS = 16
