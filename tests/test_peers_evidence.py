@@ -142,10 +142,18 @@ def bundle(published: Path, tmp_path: Path) -> Path:
 
 
 def _edit(root: Path, rel: str, change: Any) -> None:
-    """Change one document and re-manifest, so only the semantic checks can catch it."""
+    """Change one document (re-rendering the report of peers.json) and re-manifest, so only
+    the semantic checks of the figures can catch it."""
+    from mxdb.evidence.peers import REPORT_FILE, render
+
     doc = json.loads((root / rel).read_text())
     change(doc)
     (root / rel).write_bytes(dumps(doc))
+    if rel == "peers.json":
+        try:
+            (root / REPORT_FILE).write_text(render(doc))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            pass  # a document the report cannot show: the audit says so too
     m = json.loads((root / "manifest.json").read_text())
     write_manifest(root, bundle_id=m["bundle_id"], milestone=m["milestone"])
 
@@ -376,3 +384,13 @@ def test_peers_workload_refuses_a_workload_without_its_routings(tmp_path: Path) 
     )
     with pytest.raises(SystemExit, match="zipf"):
         peers.workload_traces(str(wl))
+
+
+def test_an_edited_report_is_a_finding(bundle: Path) -> None:
+    md = bundle / "report" / "peers.md"
+    text = md.read_text()
+    md.write_text(text.replace("| mixtral-8x7b | 4 |", "| mixtral-8x7b | 5 |", 1))
+    assert md.read_text() != text
+    m = json.loads((bundle / "manifest.json").read_text())
+    write_manifest(bundle, bundle_id=m["bundle_id"], milestone=m["milestone"])
+    assert _checks(bundle) == {"peers.report_mismatch"}

@@ -147,10 +147,18 @@ def bundle(published: Path, tmp_path: Path) -> Path:
 
 
 def _edit(root: Path, rel: str, change: Any) -> None:
-    """Change one document and re-manifest, so only the semantic checks can catch it."""
+    """Change one document (re-rendering the report of peers.json) and re-manifest, so only
+    the semantic checks of the figures can catch it."""
+    from mxdb.evidence.peers import REPORT_FILE, render
+
     doc = json.loads((root / rel).read_text())
     change(doc)
     (root / rel).write_bytes(dumps(doc))
+    if rel == "peers.json":
+        try:
+            (root / REPORT_FILE).write_text(render(doc))
+        except (KeyError, TypeError, ValueError, AttributeError):
+            pass  # a document the report cannot show: the audit says so too
     m = json.loads((root / "manifest.json").read_text())
     write_manifest(root, bundle_id=m["bundle_id"], milestone=m["milestone"])
 
@@ -396,7 +404,7 @@ def test_a_pooled_document_of_schema_1_2_keeps_its_targets(published: Path, tmp_
     """1.2 documents (before the held-out targets) audit by the targets they were written with;
     a 1.2 document carrying the held-out thresholds, or a 1.3 one the earlier, is a finding."""
     from mxdb.evidence.files import dumps
-    from mxdb.evidence.peers import HELDOUT_TARGETS, build_targets
+    from mxdb.evidence.peers import HELDOUT_TARGETS, REPORT_FILE, build_targets, render
     from mxdb.evidence.writer import write_manifest
 
     def rewrite(version: str, specs: Any) -> set[str]:
@@ -406,6 +414,7 @@ def test_a_pooled_document_of_schema_1_2_keeps_its_targets(published: Path, tmp_
         doc["schema_version"] = version
         doc["targets"] = build_targets(doc["figures"], specs)
         (dst / "peers.json").write_bytes(dumps(doc))
+        (dst / REPORT_FILE).write_text(render(doc))
         write_manifest(dst, bundle_id="h200-peers-pooled", milestone="h200-peers-pooled")
         return _checks(dst)
 

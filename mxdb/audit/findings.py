@@ -145,6 +145,7 @@ CHECKS: dict[str, str] = {
     "peers.target_measured_mismatch": "a peers target's measured value is not its figure",
     "peers.target_verdict_mismatch": "a peers target's pass flag is not its verdict",
     "peers.field_mismatch": "another peers field differs from its recomputation",
+    "peers.report_mismatch": "report/peers.md is not the rendering of peers.json",
     "lean_layer.fingerprint_mismatch": "a lean-layer claim names another environment",
     "lean_layer.sample_invalid": "a lean-layer sample is not a finite positive number",
     "lean_layer.shape_mismatch": "a lean-layer point's shape is not its family's at M",

@@ -25,8 +25,10 @@ from mxdb.evidence.peers import (
     DECODE_MAX_TOKENS,
     ENTRY_REASONS,
     LABELS,
+    REPORT_FILE,
     ROLES,
     build_peers,
+    render,
     targets_for,
     trace_class,
     trace_figures,
@@ -269,4 +271,5 @@ KIND = ClaimKind(
         "decode_max_tokens": (DECODE_MAX_TOKENS, "decode points are those with M at most 16")
     },
     whole_document=True,
+    report=(REPORT_FILE, render),
 )
