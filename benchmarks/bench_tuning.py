@@ -802,7 +802,7 @@ def build_bundle(
     bundle's folder: its sweep files are copied byte for byte (their SHA-256 must match the
     ones the run recorded) and its recorded exhaustive GPU time is carried over.
     """
-    from mxdb.audit.tuning_cost import TUNING_COST_NAME, build_tuning_cost
+    from mxdb.evidence.tuning_cost import TUNING_COST_NAME, build_tuning_cost
     from mxdb.evidence.writer import BundleWriter
     from mxdb.models import Fingerprint
     from mxdb.tune.traces import classify

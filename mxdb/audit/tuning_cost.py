@@ -21,165 +21,30 @@ same grid.  Its ``tuning_cost.json`` claims, for each point:
 - each sweep file's ``best`` is the config with the smallest median among its timed rows, and
   the ``exhaustive_gemm1``/``exhaustive_gemm2`` runs time exactly those configs.
 
-This module writes the document (:func:`build_tuning_cost`) and declares it as a kind of
-evidence (``KIND``): the audit recomputes every figure with the same functions; a mismatch is
-a finding.
+This module declares it as a kind of evidence (``KIND``); the audit recomputes every figure
+with the writer's own functions (:mod:`mxdb.evidence.tuning_cost`); a mismatch is a finding.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from mxdb.audit.claims import ClaimKind, Context, Unit
 from mxdb.audit.findings import FindingSink
 from mxdb.configs import config_hash
 from mxdb.errors import InvalidInputError
-from mxdb.evidence import stats
+from mxdb.evidence.tuning_cost import (
+    SCHEMA,
+    SCHEMA_VERSION,
+    SCHEMA_VERSIONS,
+    TUNING_COST_NAME,
+    recompute_point,
+    summarise,
+    sweep_best,
+)
 from mxdb.fileio import parse_json
-
-TUNING_COST_NAME = "tuning_cost.json"
-SCHEMA = "mxdb.tuning-cost"
-SCHEMA_VERSION = "1.1"
-#: Versions this module reads: 1.0 (the mxdb run's ratio), 1.1 (mxdb's answer's ratio).
-SCHEMA_VERSIONS = ("1.0", "1.1")
-TARGET_QUALITY = 1.01
-TARGET_GPU_FRACTION = 0.10
-EXHAUSTIVE_LABELS = ("exhaustive_gemm1", "exhaustive_gemm2", "exhaustive_combined")
-
-
-def _samples(run: Mapping[str, Any] | None) -> list[float]:
-    if not run or run.get("status") != "ok":
-        return []
-    timing = run.get("timing") or {}
-    return [float(x) for x in timing.get("samples_us") or []]
-
-
-def _med(run: Mapping[str, Any] | None) -> float | None:
-    s = _samples(run)
-    return stats.median(s) if s else None
-
-
-def _sweep_best(doc: Mapping[str, Any]) -> tuple[str | None, int]:
-    rows = [r for r in doc.get("timed", []) if r.get("status") == "ok" and r.get("samples_us")]
-    if not rows:
-        return None, 0
-    best = min(rows, key=lambda r: stats.median([float(x) for x in r["samples_us"]]))
-    return config_hash(best["config"]), len(rows)
-
-
-def recompute_point(
-    point: Mapping[str, Any], runs: Mapping[str, Mapping[str, Any]]
-) -> dict[str, Any]:
-    """The figures of one point, from its runs' raw samples and its listed call times."""
-    ids = point["runs"]
-    meds = {label: _med(runs.get(ids.get(label, ""))) for label in EXHAUSTIVE_LABELS}
-    timed = {k: v for k, v in meds.items() if v is not None}
-    best = min(timed, key=lambda k: (timed[k], k)) if timed else None
-    mx = _med(runs.get(ids.get("mxdb", "")))
-    base = _med(runs.get(ids.get("baseline", "")))
-    ctl = _med(runs.get(ids.get("control", "")))
-    ex_s = float(sum(point["exhaustive"]["time_call_wall_s"]))
-    mx_s = float(sum(point["mxdb"]["time_call_wall_s"]))
-    quality = mx / timed[best] if (best and mx) else None
-    out: dict[str, Any] = {
-        "exhaustive_best": best,
-        "exhaustive_best_median_us": timed.get(best) if best else None,
-        "mxdb_median_us": mx,
-        "baseline_median_us": base,
-        "quality_ratio": quality,
-        "exhaustive_gpu_seconds": ex_s,
-        "mxdb_gpu_seconds": mx_s,
-        "gpu_time_fraction": mx_s / ex_s if ex_s > 0 else None,
-    }
-    dispatched = "baseline"
-    if (
-        mx is not None
-        and base is not None
-        and ctl is not None
-        and stats.speedup(base, mx) - 1.0 > stats.pair_noise(base, ctl)
-    ):
-        dispatched = "mxdb"
-    out["dispatched"] = dispatched
-    d_med = mx if dispatched == "mxdb" else base
-    out["dispatched_quality_ratio"] = d_med / timed[best] if (best and d_med) else None
-    comparison = point["mxdb"].get("comparison")
-    if comparison is not None:
-        out["answer"] = mxdb_answer(comparison)
-        out["winner_quality_ratio"] = quality
-        a_med = mx if out["answer"] == "winner" else base
-        out["quality_ratio"] = a_med / timed[best] if (best and a_med) else None
-    q, f = out["quality_ratio"], out["gpu_time_fraction"]
-    out["meets_target"] = bool(
-        q is not None and f is not None and q <= TARGET_QUALITY and f <= TARGET_GPU_FRACTION
-    )
-    return out
-
-
-def mxdb_answer(comparison: Mapping[str, Any]) -> str:
-    """ "winner" or "baseline": mxdb's dispatch rule on the samples of its own final comparison."""
-    win = [float(x) for x in comparison.get("winner_samples_us") or []]
-    base = [float(x) for x in comparison.get("baseline_samples_us") or []]
-    ctl = comparison.get("control_samples_us") or [[], []]
-    a, b = ([float(x) for x in c] for c in ctl)
-    if not (comparison.get("winner_config_hash") and win and base and a and b):
-        return "baseline"
-    band = stats.pair_noise(stats.median(a), stats.median(b))
-    speedup = stats.speedup(stats.median(base), stats.median(win))
-    return "winner" if speedup - 1.0 > band else "baseline"
-
-
-def build_tuning_cost(
-    points: list[dict[str, Any]],
-    runs: Mapping[str, Mapping[str, Any]],
-    sweeps: Mapping[str, Mapping[str, Any]],
-    *,
-    definitions: Mapping[str, str],
-) -> dict[str, Any]:
-    """The ``tuning_cost.json`` document for ``points`` (figures computed here)."""
-    out_points = []
-    for p in points:
-        fig = recompute_point(p, runs)
-        n = sum(_sweep_best(sweeps[rel])[1] for rel in p["exhaustive"]["sweeps"])
-        out_points.append({**p, **fig, "exhaustive_configs_timed": n})
-    versioned = any("comparison" in p["mxdb"] for p in points)
-    quality_def = (
-        "median(answer run samples) / median(exhaustive best run samples), both from one final "
-        "interleaved CUDA-graph timing; the answer is what mxdb dispatches after its search: "
-        "its winner if, in the search's own final comparison (mxdb.comparison), the winner "
-        "beats FlagGems' choice by more than the control pair's noise band, else FlagGems' "
-        "choice (the baseline run); winner_quality_ratio is the winner's ratio either way"
-        if versioned
-        else "median(mxdb run samples) / median(exhaustive best run samples), both from one "
-        "final interleaved CUDA-graph timing"
-    )
-    return {
-        "schema": SCHEMA,
-        "schema_version": SCHEMA_VERSION if versioned else "1.0",
-        "definitions": {
-            **definitions,
-            "quality_ratio": quality_def,
-            "target": f"quality_ratio <= {TARGET_QUALITY} and gpu_time_fraction <= "
-            f"{TARGET_GPU_FRACTION}",
-        },
-        "points": out_points,
-        "summary": summarise(out_points),
-    }
-
-
-def summarise(points: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """The document's summary of its points."""
-    qs: list[float] = [p["quality_ratio"] for p in points if p.get("quality_ratio")]
-    fs: list[float] = [
-        p["gpu_time_fraction"] for p in points if p.get("gpu_time_fraction") is not None
-    ]
-    return {
-        "points": len(points),
-        "meeting_target": sum(1 for p in points if p.get("meets_target")),
-        "geomean_quality_ratio": stats.geomean(qs) if qs else None,
-        "max_gpu_time_fraction": max(fs) if fs else None,
-    }
 
 
 def _preflight(sink: FindingSink, rel: str, doc: Mapping[str, Any], _: Context) -> bool:
@@ -257,7 +122,7 @@ def _point_ok(sink: FindingSink, rel: str, where: str, p: Mapping[str, Any], ctx
                 )
                 continue
             sweep = parse_json(contents[sweep_rel], what=sweep_rel)
-            best_hash, _ = _sweep_best(sweep)
+            best_hash, _ = sweep_best(sweep)
             run_hash = runs[ids[label]].get("config_hash")
             if best_hash != config_hash(sweep.get("best", {})) or best_hash != run_hash:
                 sink.add(
@@ -276,7 +141,7 @@ def _point_ok(sink: FindingSink, rel: str, where: str, p: Mapping[str, Any], ctx
 
 def _point_figures(p: Mapping[str, Any], ctx: Context) -> Mapping[str, Any]:
     sweeps = [s for s in p["exhaustive"]["sweeps"] if s in ctx.contents]
-    n = sum(_sweep_best(parse_json(ctx.contents[s], what=s))[1] for s in sweeps)
+    n = sum(sweep_best(parse_json(ctx.contents[s], what=s))[1] for s in sweeps)
     return {**recompute_point(p, ctx.runs), "exhaustive_configs_timed": n}
 
 

@@ -1,0 +1,177 @@
+"""The tuning-cost claim of a bundle (``tuning_cost.json``): recomputed from its raw files.
+
+A tuning-cost bundle compares, per point, mxdb's search with an exhaustive search of the
+same grid.  Its ``tuning_cost.json`` claims, for each point:
+
+- ``exhaustive_best``: the fastest of the bundle's ``exhaustive_*`` runs (median of the raw
+  samples of one final interleaved timing), and ``quality_ratio`` = median(mxdb run) /
+  median(exhaustive best run);
+- ``dispatched``: what a dispatcher would serve: mxdb's winner when its speedup over the
+  baseline run exceeds the noise band of the baseline/control pair, else the baseline; and
+  ``dispatched_quality_ratio`` likewise;
+- ``gpu_seconds`` of each side = the sum of its listed ``time_call_wall_s``, and
+  ``gpu_time_fraction`` = mxdb's / the exhaustive search's;
+- ``meets_target``: quality ratio <= 1.01 and GPU-time fraction <= 0.10;
+- (schema 1.1) ``answer``: what mxdb itself would dispatch after its own search, recomputed
+  from the samples of its final comparison (``mxdb.comparison``): its winner when the winner's
+  speedup over FlagGems' choice exceeds the noise band of the control pair, else FlagGems'
+  choice.  ``quality_ratio`` is then median(answer's run) / median(exhaustive best run), the
+  answer's run being the ``mxdb`` run (winner) or the ``baseline`` run (FlagGems' choice), and
+  ``winner_quality_ratio`` is the winner's own ratio whichever is dispatched;
+- each sweep file's ``best`` is the config with the smallest median among its timed rows, and
+  the ``exhaustive_gemm1``/``exhaustive_gemm2`` runs time exactly those configs.
+
+This module writes the document (:func:`build_tuning_cost`); :mod:`mxdb.audit.tuning_cost`
+declares it as a kind of evidence, and the audit recomputes every figure with the same
+functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from mxdb.configs import config_hash
+from mxdb.evidence import stats
+
+TUNING_COST_NAME = "tuning_cost.json"
+SCHEMA = "mxdb.tuning-cost"
+SCHEMA_VERSION = "1.1"
+#: Versions this module reads: 1.0 (the mxdb run's ratio), 1.1 (mxdb's answer's ratio).
+SCHEMA_VERSIONS = ("1.0", "1.1")
+TARGET_QUALITY = 1.01
+TARGET_GPU_FRACTION = 0.10
+EXHAUSTIVE_LABELS = ("exhaustive_gemm1", "exhaustive_gemm2", "exhaustive_combined")
+
+
+def _samples(run: Mapping[str, Any] | None) -> list[float]:
+    if not run or run.get("status") != "ok":
+        return []
+    timing = run.get("timing") or {}
+    return [float(x) for x in timing.get("samples_us") or []]
+
+
+def _med(run: Mapping[str, Any] | None) -> float | None:
+    s = _samples(run)
+    return stats.median(s) if s else None
+
+
+def sweep_best(doc: Mapping[str, Any]) -> tuple[str | None, int]:
+    rows = [r for r in doc.get("timed", []) if r.get("status") == "ok" and r.get("samples_us")]
+    if not rows:
+        return None, 0
+    best = min(rows, key=lambda r: stats.median([float(x) for x in r["samples_us"]]))
+    return config_hash(best["config"]), len(rows)
+
+
+def recompute_point(
+    point: Mapping[str, Any], runs: Mapping[str, Mapping[str, Any]]
+) -> dict[str, Any]:
+    """The figures of one point, from its runs' raw samples and its listed call times."""
+    ids = point["runs"]
+    meds = {label: _med(runs.get(ids.get(label, ""))) for label in EXHAUSTIVE_LABELS}
+    timed = {k: v for k, v in meds.items() if v is not None}
+    best = min(timed, key=lambda k: (timed[k], k)) if timed else None
+    mx = _med(runs.get(ids.get("mxdb", "")))
+    base = _med(runs.get(ids.get("baseline", "")))
+    ctl = _med(runs.get(ids.get("control", "")))
+    ex_s = float(sum(point["exhaustive"]["time_call_wall_s"]))
+    mx_s = float(sum(point["mxdb"]["time_call_wall_s"]))
+    quality = mx / timed[best] if (best and mx) else None
+    out: dict[str, Any] = {
+        "exhaustive_best": best,
+        "exhaustive_best_median_us": timed.get(best) if best else None,
+        "mxdb_median_us": mx,
+        "baseline_median_us": base,
+        "quality_ratio": quality,
+        "exhaustive_gpu_seconds": ex_s,
+        "mxdb_gpu_seconds": mx_s,
+        "gpu_time_fraction": mx_s / ex_s if ex_s > 0 else None,
+    }
+    dispatched = "baseline"
+    if (
+        mx is not None
+        and base is not None
+        and ctl is not None
+        and stats.speedup(base, mx) - 1.0 > stats.pair_noise(base, ctl)
+    ):
+        dispatched = "mxdb"
+    out["dispatched"] = dispatched
+    d_med = mx if dispatched == "mxdb" else base
+    out["dispatched_quality_ratio"] = d_med / timed[best] if (best and d_med) else None
+    comparison = point["mxdb"].get("comparison")
+    if comparison is not None:
+        out["answer"] = mxdb_answer(comparison)
+        out["winner_quality_ratio"] = quality
+        a_med = mx if out["answer"] == "winner" else base
+        out["quality_ratio"] = a_med / timed[best] if (best and a_med) else None
+    q, f = out["quality_ratio"], out["gpu_time_fraction"]
+    out["meets_target"] = bool(
+        q is not None and f is not None and q <= TARGET_QUALITY and f <= TARGET_GPU_FRACTION
+    )
+    return out
+
+
+def mxdb_answer(comparison: Mapping[str, Any]) -> str:
+    """ "winner" or "baseline": mxdb's dispatch rule on the samples of its own final comparison."""
+    win = [float(x) for x in comparison.get("winner_samples_us") or []]
+    base = [float(x) for x in comparison.get("baseline_samples_us") or []]
+    ctl = comparison.get("control_samples_us") or [[], []]
+    a, b = ([float(x) for x in c] for c in ctl)
+    if not (comparison.get("winner_config_hash") and win and base and a and b):
+        return "baseline"
+    band = stats.pair_noise(stats.median(a), stats.median(b))
+    speedup = stats.speedup(stats.median(base), stats.median(win))
+    return "winner" if speedup - 1.0 > band else "baseline"
+
+
+def build_tuning_cost(
+    points: list[dict[str, Any]],
+    runs: Mapping[str, Mapping[str, Any]],
+    sweeps: Mapping[str, Mapping[str, Any]],
+    *,
+    definitions: Mapping[str, str],
+) -> dict[str, Any]:
+    """The ``tuning_cost.json`` document for ``points`` (figures computed here)."""
+    out_points = []
+    for p in points:
+        fig = recompute_point(p, runs)
+        n = sum(sweep_best(sweeps[rel])[1] for rel in p["exhaustive"]["sweeps"])
+        out_points.append({**p, **fig, "exhaustive_configs_timed": n})
+    versioned = any("comparison" in p["mxdb"] for p in points)
+    quality_def = (
+        "median(answer run samples) / median(exhaustive best run samples), both from one final "
+        "interleaved CUDA-graph timing; the answer is what mxdb dispatches after its search: "
+        "its winner if, in the search's own final comparison (mxdb.comparison), the winner "
+        "beats FlagGems' choice by more than the control pair's noise band, else FlagGems' "
+        "choice (the baseline run); winner_quality_ratio is the winner's ratio either way"
+        if versioned
+        else "median(mxdb run samples) / median(exhaustive best run samples), both from one "
+        "final interleaved CUDA-graph timing"
+    )
+    return {
+        "schema": SCHEMA,
+        "schema_version": SCHEMA_VERSION if versioned else "1.0",
+        "definitions": {
+            **definitions,
+            "quality_ratio": quality_def,
+            "target": f"quality_ratio <= {TARGET_QUALITY} and gpu_time_fraction <= "
+            f"{TARGET_GPU_FRACTION}",
+        },
+        "points": out_points,
+        "summary": summarise(out_points),
+    }
+
+
+def summarise(points: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """The document's summary of its points."""
+    qs: list[float] = [p["quality_ratio"] for p in points if p.get("quality_ratio")]
+    fs: list[float] = [
+        p["gpu_time_fraction"] for p in points if p.get("gpu_time_fraction") is not None
+    ]
+    return {
+        "points": len(points),
+        "meeting_target": sum(1 for p in points if p.get("meets_target")),
+        "geomean_quality_ratio": stats.geomean(qs) if qs else None,
+        "max_gpu_time_fraction": max(fs) if fs else None,
+    }
