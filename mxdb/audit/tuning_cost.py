@@ -1,4 +1,4 @@
-"""The tuning-cost claim of a bundle (``tuning_cost.json``): recomputed from its raw files.
+"""The tuning-cost claim (``tuning_cost.json``) as a kind of evidence: its declaration.
 
 A tuning-cost bundle compares, per point, mxdb's search with an exhaustive search of the
 same grid.  Its ``tuning_cost.json`` claims, for each point:
