@@ -1,28 +1,8 @@
 """The tuning-cost claim (``tuning_cost.json``) as a kind of evidence: its declaration.
 
-A tuning-cost bundle compares, per point, mxdb's search with an exhaustive search of the
-same grid.  Its ``tuning_cost.json`` claims, for each point:
-
-- ``exhaustive_best``: the fastest of the bundle's ``exhaustive_*`` runs (median of the raw
-  samples of one final interleaved timing), and ``quality_ratio`` = median(mxdb run) /
-  median(exhaustive best run);
-- ``dispatched``: what a dispatcher would serve: mxdb's winner when its speedup over the
-  baseline run exceeds the noise band of the baseline/control pair, else the baseline; and
-  ``dispatched_quality_ratio`` likewise;
-- ``gpu_seconds`` of each side = the sum of its listed ``time_call_wall_s``, and
-  ``gpu_time_fraction`` = mxdb's / the exhaustive search's;
-- ``meets_target``: quality ratio <= 1.01 and GPU-time fraction <= 0.10;
-- (schema 1.1) ``answer``: what mxdb itself would dispatch after its own search, recomputed
-  from the samples of its final comparison (``mxdb.comparison``): its winner when the winner's
-  speedup over FlagGems' choice exceeds the noise band of the control pair, else FlagGems'
-  choice.  ``quality_ratio`` is then median(answer's run) / median(exhaustive best run), the
-  answer's run being the ``mxdb`` run (winner) or the ``baseline`` run (FlagGems' choice), and
-  ``winner_quality_ratio`` is the winner's own ratio whichever is dispatched;
-- each sweep file's ``best`` is the config with the smallest median among its timed rows, and
-  the ``exhaustive_gemm1``/``exhaustive_gemm2`` runs time exactly those configs.
-
-This module declares it as a kind of evidence (``KIND``); the audit recomputes every figure
-with the writer's own functions (:mod:`mxdb.evidence.tuning_cost`); a mismatch is a finding.
+The figures are defined in :mod:`mxdb.evidence.tuning_cost` (the writer); the audit checks the
+document's schema and points, each sweep file and run it names, and recomputes every figure
+with the writer's own functions; a mismatch is a finding.
 """
 
 from __future__ import annotations
