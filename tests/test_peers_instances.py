@@ -619,3 +619,40 @@ def test_sparse_routing_in_a_workload() -> None:
                 "routings": [{"kind": "sparse", "active": 0}],
             }
         )
+
+
+def test_where_c_ran_a_peers_own_config_it_is_that_config(tmp_path: Path) -> None:
+    """Schema 1.3: an instance on which (c) ran (b)'s config is compared with (b) as itself (one
+    kernel), whatever its own timing says; its median stays the measured one.  A 1.2 document
+    of the same runs keeps the measured comparison."""
+    raw = _raw()
+    for inst in raw["points"][0]["instances"]:
+        inst["configs"]["c"] = CFG_B  # (c) answered vLLM's row; its timing 0.97-1.02x of (b)'s
+    bundle = _publish(raw, tmp_path, "h200-peers-same")
+    assert _checks(bundle) == set()
+    p = _doc(bundle)["points"][0]
+    assert p["c_config_is_b"] is True
+    assert p["speedup_c_over_b"] == 1.0 and p["c_slower_than_b"] is False
+    assert all(i["speedup_c_over_b"] == 1.0 and i["outcome_c_vs_b"] == "same"
+               for i in p["instances"])  # fmt: skip
+    medians = [i["median_us"] for i in p["instances"]]
+    assert any(m["c"] != m["b"] for m in medians)  # the timings themselves are as measured
+    # the same runs as a 1.2 document: compared as timed (instance 0 is 0.97x: slower)
+    from mxdb.evidence.peers import build_peers
+
+    doc = _doc(bundle)
+    runs = {r.stem: json.loads(r.read_text()) for r in (bundle / "runs").glob("*.json")}
+    traces = {t.stem: json.loads(t.read_text()) for t in (bundle / "traces").glob("*.json")}
+    points = [{k: v for k, v in q.items() if k in ("family", "tokens", "routing", "instances")}
+              for q in doc["points"]]  # fmt: skip
+    old = build_peers(
+        points, runs, {h: len({e for row in t["ids"] for e in row}) for h, t in traces.items()},
+        milestone="m", fingerprint_hash=doc["fingerprint_hash"],
+        bandwidth_bytes_per_s=doc["bandwidth_bytes_per_s"], rule="verdict",
+        hot_shares=dict.fromkeys(traces, 0.0),
+        trace_classes={h: trace_class(t["ids"], 8) for h, t in traces.items()},
+        schema_version="1.2",
+    )  # fmt: skip
+    q = old["points"][0]
+    assert old["schema_version"] == "1.2"
+    assert q["instances"][0]["outcome_c_vs_b"] == "slower" and q["speedup_c_over_b"] != 1.0

@@ -36,7 +36,9 @@ generator the tuner never used).
 
 Documents of schema 1.3 are the 1.2 layout below, judged on the targets of a comparison on
 held-out routing (:data:`HELDOUT_TARGETS`: 1.03x over FlagGems' choice, 1.01x over vLLM's
-table, no point slower than either); 1.2 documents keep :data:`TARGETS`.
+table, no point slower than either); 1.2 documents keep :data:`TARGETS`.  In 1.3, where (c)
+ran (a)'s or (b)'s own config on an instance, it is compared with that arm as itself (one
+kernel: :func:`pooled_point_figures`); its median stays the one measured.
 
 Documents of schema 1.2 (``rule: "verdict"``, points with ``instances``) judge each point, a
 routing *distribution* (family, M, routing kind), on several held-out instances of it (K
@@ -721,12 +723,17 @@ def pooled_point_figures(
     hot_shares: Mapping[str, float],
     trace_classes: Mapping[str, str],
     bandwidth_bytes_per_s: float,
+    same_config_same_kernel: bool = False,
 ) -> dict[str, Any]:
     """The figures of a point of schema 1.2 from its instances' runs (see the module doc).
 
-    ``KeyError`` on a missing run or trace.
+    With ``same_config_same_kernel`` (schema 1.3), an instance on which (c) ran (a)'s or (b)'s
+    config is compared with that arm as itself: one kernel, so a difference between two timings
+    of it is the timing's (its rounds enter the comparison as (a)'s round baselines, or (b)'s
+    samples: a paired ratio of exactly 1).  ``KeyError`` on a missing run or trace.
     """
     pooled: dict[str, list[float]] = {lab: [] for lab in LABELS}
+    c_vs: dict[str, list[float]] = {"a": [], "b": []}
     eager: dict[str, list[float]] = {"a": [], "c": []}
     rows: list[dict[str, Any]] = []
     has_d, c_is_a, c_is_b = False, True, True
@@ -750,8 +757,10 @@ def pooled_point_figures(
         def config_hash(lab: str, labels: Mapping[str, str | None] = labels) -> Any:
             return runs[str(labels[lab])].get("config_hash")
 
-        c_is_a &= config_hash("c") == config_hash("a")
-        c_is_b &= config_hash("c") == config_hash("b")
+        same_a = config_hash("c") == config_hash("a")
+        same_b = config_hash("c") == config_hash("b")
+        c_is_a &= same_a
+        c_is_b &= same_b
         th = inst["trace_hash"]
         shape = runs[str(labels["c"])]["shape"]
         floor_bytes = memory_floor_bytes(
@@ -760,8 +769,15 @@ def pooled_point_figures(
         copies = [raw["a"], raw["ctl1"], raw["ctl2"]]
         band = verdict.noise_band(copies)
         noise = band if band is not None else math.inf
-        over_a = verdict.compare(copies, raw["c"])
-        over_b = verdict.compare([raw["b"]], raw["c"], band=noise)
+        c_for_a, c_for_b = raw["c"], raw["c"]
+        if same_config_same_kernel and same_a:
+            c_for_a = verdict.round_baseline(copies) or raw["c"]
+        if same_config_same_kernel and same_b:
+            c_for_b = raw["b"]
+        c_vs["a"] += c_for_a
+        c_vs["b"] += c_for_b
+        over_a = verdict.compare(copies, c_for_a)
+        over_b = verdict.compare([raw["b"]], c_for_b, band=noise)
         rows.append(
             {
                 "instance": inst["instance"],
@@ -790,8 +806,8 @@ def pooled_point_figures(
     copies = [pooled["a"], pooled["ctl1"], pooled["ctl2"]]
     band = verdict.noise_band(copies)
     noise = band if band is not None else math.inf
-    over_a = verdict.compare(copies, pooled["c"])
-    over_b = verdict.compare([pooled["b"]], pooled["c"], band=noise)
+    over_a = verdict.compare(copies, c_vs["a"])
+    over_b = verdict.compare([pooled["b"]], c_vs["b"], band=noise)
     d_over_c = verdict.compare([pooled["c"]], pooled["d"], band=noise)
     c_over_d = verdict.paired(pooled["d"], pooled["c"])
     a, b, c = med["a"], med["b"], med["c"]
@@ -1003,6 +1019,9 @@ def build_peers(
     pooled = any(p.get("instances") for p in points)
     if pooled and (rule != "verdict" or hot_shares is None or trace_classes is None):
         raise ValueError("points with instances need rule 'verdict', hot shares and trace classes")
+    version = SCHEMA_VERSION if pooled else (SINGLE_INSTANCE_VERSION if rule else "1.0")
+    if pooled and schema_version in ("1.2", "1.3"):
+        version = schema_version
     rows = []
     for p in points:
         if p.get("instances"):
@@ -1013,6 +1032,7 @@ def build_peers(
                 hot_shares=cast(Mapping[str, float], hot_shares),
                 trace_classes=cast(Mapping[str, str], trace_classes),
                 bandwidth_bytes_per_s=bandwidth_bytes_per_s,
+                same_config_same_kernel=version == "1.3",
             )
             rows.append({k: p[k] for k in ("family", "tokens", "routing")} | fig)
             continue
@@ -1031,9 +1051,6 @@ def build_peers(
     if hot_shares is not None:
         skew_costs(rows)
     figures = aggregate(rows, decode_max_tokens)
-    version = SCHEMA_VERSION if pooled else (SINGLE_INSTANCE_VERSION if rule else "1.0")
-    if pooled and schema_version in ("1.2", "1.3"):
-        version = schema_version
     if targets is None:
         targets = targets_for(version)
     doc: dict[str, Any] = {
