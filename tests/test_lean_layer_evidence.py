@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from bundle_edits import audit_codes, edit_claim
 
-from mxdb.audit import CHECKS, audit_paths
+from mxdb.audit import audit_paths
 from mxdb.evidence import stats
-from mxdb.evidence.files import dumps
 from mxdb.evidence.lean_layer import TARGETS
 from mxdb.evidence.peers import judge
 from mxdb.evidence.writer import write_manifest
@@ -95,30 +95,8 @@ def bundle(published: Path, tmp_path: Path) -> Path:
     return dst
 
 
-def _edit(root: Path, change: Any) -> None:
-    """Change lean_layer.json, re-render its report and re-manifest, so only the semantic
-    checks of the figures can catch it."""
-    from mxdb.evidence.lean_layer import REPORT_FILE, render
-
-    doc = json.loads((root / "lean_layer.json").read_text())
-    change(doc)
-    (root / "lean_layer.json").write_bytes(dumps(doc))
-    try:
-        (root / REPORT_FILE).write_text(render(doc))
-    except (KeyError, TypeError, ValueError, AttributeError):
-        pass  # a document the report cannot show: the audit says so too
-    write_manifest(root, bundle_id="h200-lean-layer", milestone="h200-lean-layer")
-
-
-def _checks(root: Path) -> set[str]:
-    res = audit_paths([root])
-    for f in res.findings:
-        assert f.check in CHECKS, f
-    return {f.check for f in res.findings}
-
-
 def test_published_bundle_passes_and_holds_every_figure(published: Path) -> None:
-    assert _checks(published) == set()
+    assert audit_codes(published) == set()
     doc = json.loads((published / "lean_layer.json").read_text())
     assert doc["schema"] == "mxdb.lean-layer" and doc["schema_version"] == "1.0"
     f = doc["figures"]
@@ -143,8 +121,8 @@ def test_tampered_sample_is_found(bundle: Path) -> None:
             x * 0.5 for x in doc["points"][1]["samples"]["eager_layer"]
         ]
 
-    _edit(bundle, bump)
-    checks = _checks(bundle)
+    edit_claim(bundle, "lean_layer.json", bump)
+    checks = audit_codes(bundle)
     assert {"lean_layer.median_mismatch", "lean_layer.ratio_mismatch"} <= checks
     assert "lean_layer.geomean_mismatch" in checks
 
@@ -153,15 +131,15 @@ def test_invalid_sample_is_found(bundle: Path) -> None:
     def negate(doc: dict[str, Any]) -> None:
         doc["points"][0]["samples"]["synced_layer"][2] = -1.0
 
-    _edit(bundle, negate)
-    assert _checks(bundle) == {"lean_layer.sample_invalid"}
+    edit_claim(bundle, "lean_layer.json", negate)
+    assert audit_codes(bundle) == {"lean_layer.sample_invalid"}
 
 
 def test_tampered_ratio_is_found(bundle: Path) -> None:
     def shrink(doc: dict[str, Any]) -> None:
         doc["points"][2]["eager_over_graph_layer"] = 1.0
 
-    _edit(bundle, shrink)
+    edit_claim(bundle, "lean_layer.json", shrink)
     res = audit_paths([bundle])
     assert {f.check for f in res.findings} == {"lean_layer.ratio_mismatch"}
     assert res.findings[0].field == "points[2].eager_over_graph_layer"
@@ -174,8 +152,8 @@ def test_pass_claimed_for_missed_target_is_found(bundle: Path) -> None:
         assert t["passed"] is True
         t["passed"] = False
 
-    _edit(bundle, tighten)
-    assert _checks(bundle) == {"lean_layer.target_verdict_mismatch"}
+    edit_claim(bundle, "lean_layer.json", tighten)
+    assert audit_codes(bundle) == {"lean_layer.target_verdict_mismatch"}
 
 
 def test_pass_for_a_missed_target_after_inflating_the_figure(bundle: Path) -> None:
@@ -183,8 +161,10 @@ def test_pass_for_a_missed_target_after_inflating_the_figure(bundle: Path) -> No
         for p in doc["points"]:
             p["samples"]["eager_layer"] = [x * 1.5 for x in p["samples"]["eager_layer"]]
 
-    _edit(bundle, cheat)  # eager is now 1.5x graph: the target is missed, yet claimed passed
-    checks = _checks(bundle)
+    edit_claim(
+        bundle, "lean_layer.json", cheat
+    )  # eager is now 1.5x graph: the target is missed, yet claimed passed
+    checks = audit_codes(bundle)
     assert "lean_layer.target_verdict_mismatch" in checks
     assert "lean_layer.target_measured_mismatch" in checks
 
@@ -194,8 +174,11 @@ def test_correctness_and_config_hash_are_rechecked(bundle: Path) -> None:
         doc["points"][0]["correctness"]["max_abs_err"] = 1.0  # over bf16's 0.0625, still "passed"
         doc["points"][1]["config"]["align_block"] = 32
 
-    _edit(bundle, corrupt)
-    assert _checks(bundle) == {"lean_layer.correctness_mismatch", "lean_layer.config_hash_mismatch"}
+    edit_claim(bundle, "lean_layer.json", corrupt)
+    assert audit_codes(bundle) == {
+        "lean_layer.correctness_mismatch",
+        "lean_layer.config_hash_mismatch",
+    }
 
 
 def test_committed_bundle_passes_audit() -> None:
@@ -210,4 +193,4 @@ def test_an_edited_report_is_a_finding(bundle: Path) -> None:
     md = bundle / "report" / "lean_layer.md"
     md.write_text(md.read_text().replace("| mixtral-8x7b | 64 |", "| mixtral-8x7b | 65 |"))
     write_manifest(bundle, bundle_id="h200-lean-layer", milestone="h200-lean-layer")
-    assert _checks(bundle) == {"lean_layer.report_mismatch"}
+    assert audit_codes(bundle) == {"lean_layer.report_mismatch"}

@@ -10,9 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from bundle_edits import audit_codes, edit_claim
 
-from mxdb.audit import CHECKS, audit_paths
-from mxdb.evidence.files import dumps
+from mxdb.audit import audit_paths
 from mxdb.evidence.peers import TARGETS, judge
 from mxdb.evidence.writer import write_manifest
 from mxdb.fingerprint import H200
@@ -141,32 +141,8 @@ def bundle(published: Path, tmp_path: Path) -> Path:
     return dst
 
 
-def _edit(root: Path, rel: str, change: Any) -> None:
-    """Change one document (re-rendering the report of peers.json) and re-manifest, so only
-    the semantic checks of the figures can catch it."""
-    from mxdb.evidence.peers import REPORT_FILE, render
-
-    doc = json.loads((root / rel).read_text())
-    change(doc)
-    (root / rel).write_bytes(dumps(doc))
-    if rel == "peers.json":
-        try:
-            (root / REPORT_FILE).write_text(render(doc))
-        except (KeyError, TypeError, ValueError, AttributeError):
-            pass  # a document the report cannot show: the audit says so too
-    m = json.loads((root / "manifest.json").read_text())
-    write_manifest(root, bundle_id=m["bundle_id"], milestone=m["milestone"])
-
-
-def _checks(root: Path) -> set[str]:
-    res = audit_paths([root])
-    for f in res.findings:
-        assert f.check in CHECKS, f
-    return {f.check for f in res.findings}
-
-
 def test_published_bundle_passes_and_holds_every_figure(published: Path) -> None:
-    assert _checks(published) == set()
+    assert audit_codes(published) == set()
     doc = json.loads((published / "peers.json").read_text())
     assert doc["schema"] == "mxdb.peers" and doc["schema_version"] == "1.0"
     assert [p["runs"]["d"] for p in doc["points"]] == [None, "mixtral-m4-zipf-d", None]
@@ -187,8 +163,8 @@ def test_tampered_sample_is_found(bundle: Path) -> None:
         doc["timing"]["median_us"] *= 1.5
         doc["timing"]["p90_us"] *= 1.5
 
-    _edit(bundle, "runs/mixtral-m1-uniform-b.json", bump)
-    checks = _checks(bundle)
+    edit_claim(bundle, "runs/mixtral-m1-uniform-b.json", bump)
+    checks = audit_codes(bundle)
     assert {"peers.median_mismatch", "peers.ratio_mismatch", "peers.geomean_mismatch"} <= checks
 
 
@@ -196,8 +172,8 @@ def test_tampered_ratio_is_found(bundle: Path) -> None:
     def inflate(doc: dict[str, Any]) -> None:
         doc["points"][1]["speedup_c_over_b"] *= 1.01
 
-    _edit(bundle, "peers.json", inflate)
-    assert _checks(bundle) == {"peers.ratio_mismatch"}
+    edit_claim(bundle, "peers.json", inflate)
+    assert audit_codes(bundle) == {"peers.ratio_mismatch"}
 
 
 def test_tampered_eager_ratio_and_geomean_are_found(bundle: Path) -> None:
@@ -205,8 +181,8 @@ def test_tampered_eager_ratio_and_geomean_are_found(bundle: Path) -> None:
         doc["points"][0]["eager_speedup_layer_over_fused_experts_impl"] = 3.0
         doc["figures"]["decode_geomean_eager_over_graph"] = 1.0
 
-    _edit(bundle, "peers.json", inflate)
-    assert _checks(bundle) == {"peers.ratio_mismatch", "peers.geomean_mismatch"}
+    edit_claim(bundle, "peers.json", inflate)
+    assert audit_codes(bundle) == {"peers.ratio_mismatch", "peers.geomean_mismatch"}
 
 
 def test_flipped_flag_and_count_are_found(bundle: Path) -> None:
@@ -214,8 +190,8 @@ def test_flipped_flag_and_count_are_found(bundle: Path) -> None:
         doc["points"][1]["c_differs_from_d"] = False
         doc["figures"]["points_c_slower_than_b"] += 1
 
-    _edit(bundle, "peers.json", flip)
-    assert _checks(bundle) == {"peers.flag_mismatch", "peers.count_mismatch"}
+    edit_claim(bundle, "peers.json", flip)
+    assert audit_codes(bundle) == {"peers.flag_mismatch", "peers.count_mismatch"}
 
 
 def test_pass_claimed_for_missed_target_is_found(bundle: Path) -> None:
@@ -226,7 +202,7 @@ def test_pass_claimed_for_missed_target_is_found(bundle: Path) -> None:
     def claim_pass(d: dict[str, Any]) -> None:
         d["targets"][missed[0]]["passed"] = True
 
-    _edit(bundle, "peers.json", claim_pass)
+    edit_claim(bundle, "peers.json", claim_pass)
     res = audit_paths([bundle])
     assert {f.check for f in res.findings} == {"peers.target_verdict_mismatch"}
     assert res.findings[0].field == f"targets[{missed[0]}].passed"
@@ -238,8 +214,8 @@ def test_moved_threshold_and_measured_are_found(bundle: Path) -> None:
         d["targets"][1]["measured"] = 9.0
         del d["targets"][2]
 
-    _edit(bundle, "peers.json", move)
-    assert _checks(bundle) == {
+    edit_claim(bundle, "peers.json", move)
+    assert audit_codes(bundle) == {
         "peers.target_threshold_mismatch",
         "peers.target_measured_mismatch",
         "peers.target_missing",
@@ -250,13 +226,13 @@ def test_missing_run_and_wrong_role_are_found(bundle: Path) -> None:
     (bundle / "runs" / "mixtral-m4-zipf-d.json").unlink()
     m = json.loads((bundle / "manifest.json").read_text())
     write_manifest(bundle, bundle_id=m["bundle_id"], milestone=m["milestone"])
-    assert "peers.run_missing" in _checks(bundle)
+    assert "peers.run_missing" in audit_codes(bundle)
 
     def swap(d: dict[str, Any]) -> None:
         d["points"][0]["runs"]["b"] = d["points"][0]["runs"]["a"]
 
-    _edit(bundle, "peers.json", swap)
-    assert "peers.run_mismatch" in _checks(bundle)
+    edit_claim(bundle, "peers.json", swap)
+    assert "peers.run_mismatch" in audit_codes(bundle)
 
 
 def test_committed_bundle_passes_audit() -> None:
@@ -305,8 +281,8 @@ def test_tampered_explanation_is_found(bundle: Path) -> None:
         doc["explanations"]["c_over_a"]["geomean_speedup_best_over_peer"] *= 1.1
         doc["explanations"]["c_over_b"]["points_c_is_peer"] += 1
 
-    _edit(bundle, "peers.json", inflate)
-    assert _checks(bundle) == {"peers.geomean_mismatch", "peers.count_mismatch"}
+    edit_claim(bundle, "peers.json", inflate)
+    assert audit_codes(bundle) == {"peers.geomean_mismatch", "peers.count_mismatch"}
 
 
 def test_dropped_skewed_point_and_edited_hot_share_are_found(bundle: Path) -> None:
@@ -314,7 +290,7 @@ def test_dropped_skewed_point_and_edited_hot_share_are_found(bundle: Path) -> No
         doc["explanations"]["skewed_far_from_floor"] = []
         doc["points"][1]["hot_share"] = 0.2
 
-    _edit(bundle, "peers.json", drop)
+    edit_claim(bundle, "peers.json", drop)
     res = audit_paths([bundle])
     assert {f.check for f in res.findings} == {"peers.field_mismatch"}
     assert {f.field for f in res.findings} == {
@@ -327,7 +303,7 @@ def test_fallback_reason_with_another_config_is_found(bundle: Path) -> None:
     def claim_fallback(doc: dict[str, Any]) -> None:
         doc["points"][1]["dispatch_reason_c"] = "tokens_out_of_range"
 
-    _edit(bundle, "peers.json", claim_fallback)
+    edit_claim(bundle, "peers.json", claim_fallback)
     res = audit_paths([bundle])
     assert {f.check for f in res.findings} == {"peers.run_mismatch"}
     assert res.findings[0].field == "points[1].runs.c"
@@ -342,14 +318,14 @@ def test_layout_without_explanations_still_audits(bundle: Path) -> None:
             for k in EXTENDED_POINT_FIELDS:
                 del p[k]
 
-    _edit(bundle, "peers.json", strip)
-    assert _checks(bundle) == set()
+    edit_claim(bundle, "peers.json", strip)
+    assert audit_codes(bundle) == set()
 
     def half(doc: dict[str, Any]) -> None:
         doc["points"][0]["hot_share"] = 0.5  # an extended figure in the older layout
 
-    _edit(bundle, "peers.json", half)
-    assert _checks(bundle) == {"peers.field_mismatch"}
+    edit_claim(bundle, "peers.json", half)
+    assert audit_codes(bundle) == {"peers.field_mismatch"}
 
 
 def test_peers_workload_covers_every_point_with_its_replayed_trace() -> None:
@@ -393,4 +369,4 @@ def test_an_edited_report_is_a_finding(bundle: Path) -> None:
     assert md.read_text() != text
     m = json.loads((bundle / "manifest.json").read_text())
     write_manifest(bundle, bundle_id=m["bundle_id"], milestone=m["milestone"])
-    assert _checks(bundle) == {"peers.report_mismatch"}
+    assert audit_codes(bundle) == {"peers.report_mismatch"}

@@ -16,10 +16,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from bundle_edits import audit_codes, edit_claim
 from test_peers_evidence import CFG_A, CFG_B, CFG_C, CFG_D, FP, REPO, _load
 
 from mxdb import verdict
-from mxdb.audit import CHECKS, audit_paths
+from mxdb.audit import audit_paths
 from mxdb.evidence.files import dumps
 from mxdb.evidence.peers import TARGETS, trace_class
 from mxdb.evidence.writer import write_manifest
@@ -146,36 +147,12 @@ def bundle(published: Path, tmp_path: Path) -> Path:
     return dst
 
 
-def _edit(root: Path, rel: str, change: Any) -> None:
-    """Change one document (re-rendering the report of peers.json) and re-manifest, so only
-    the semantic checks of the figures can catch it."""
-    from mxdb.evidence.peers import REPORT_FILE, render
-
-    doc = json.loads((root / rel).read_text())
-    change(doc)
-    (root / rel).write_bytes(dumps(doc))
-    if rel == "peers.json":
-        try:
-            (root / REPORT_FILE).write_text(render(doc))
-        except (KeyError, TypeError, ValueError, AttributeError):
-            pass  # a document the report cannot show: the audit says so too
-    m = json.loads((root / "manifest.json").read_text())
-    write_manifest(root, bundle_id=m["bundle_id"], milestone=m["milestone"])
-
-
-def _checks(root: Path) -> set[str]:
-    res = audit_paths([root])
-    for f in res.findings:
-        assert f.check in CHECKS, f
-    return {f.check for f in res.findings}
-
-
 def _doc(root: Path) -> dict[str, Any]:
     return json.loads((root / "peers.json").read_text())  # type: ignore[no-any-return]
 
 
 def test_pooled_bundle_audits_clean_and_holds_its_instances(published: Path) -> None:
-    assert _checks(published) == set()
+    assert audit_codes(published) == set()
     doc = _doc(published)
     assert doc["schema_version"] == "1.3" and doc["rule"] == "verdict"
     # judged on the held-out targets: the same checks, the geomeans at 1.03x and 1.01x
@@ -248,7 +225,7 @@ def test_pooling_absorbs_instance_luck_that_one_instance_calls_slower(
     assert refs[0]["figures"]["pooled_c_slower_than_a"] is False
     # the same data judged on instance 0 alone (schema 1.1): the point is "slower"
     single = _publish(_single(_raw(), 0), tmp_path, "h200-peers-single")
-    assert _checks(single) == set()
+    assert audit_codes(single) == set()
     one = _doc(single)
     assert one["schema_version"] == "1.1" and "instances" not in one["points"][0]
     assert one["points"][0]["c_slower_than_a"] is True
@@ -262,8 +239,8 @@ def test_tampered_pooled_figure_is_found(bundle: Path) -> None:
     def inflate(doc: dict[str, Any]) -> None:
         doc["points"][0]["speedup_c_over_a"] *= 1.01
 
-    _edit(bundle, "peers.json", inflate)
-    assert _checks(bundle) == {"peers.ratio_mismatch"}
+    edit_claim(bundle, "peers.json", inflate)
+    assert audit_codes(bundle) == {"peers.ratio_mismatch"}
 
 
 def test_flipped_pooled_verdict_and_count_are_found(bundle: Path) -> None:
@@ -271,8 +248,8 @@ def test_flipped_pooled_verdict_and_count_are_found(bundle: Path) -> None:
         doc["points"][0]["c_slower_than_a"] = True
         doc["figures"]["instances_c_slower_than_b"] -= 1
 
-    _edit(bundle, "peers.json", flip)
-    assert _checks(bundle) == {"peers.flag_mismatch", "peers.count_mismatch"}
+    edit_claim(bundle, "peers.json", flip)
+    assert audit_codes(bundle) == {"peers.flag_mismatch", "peers.count_mismatch"}
 
 
 def test_tampered_instance_figures_are_found(bundle: Path) -> None:
@@ -280,8 +257,8 @@ def test_tampered_instance_figures_are_found(bundle: Path) -> None:
         doc["points"][0]["instances"][0]["outcome_c_vs_a"] = "same"
         doc["points"][0]["instances"][2]["speedup_c_over_b"] = 1.0
 
-    _edit(bundle, "peers.json", edit)
-    assert _checks(bundle) == {"peers.flag_mismatch", "peers.ratio_mismatch"}
+    edit_claim(bundle, "peers.json", edit)
+    assert audit_codes(bundle) == {"peers.flag_mismatch", "peers.ratio_mismatch"}
 
 
 def test_edited_instance_class_is_found(bundle: Path) -> None:
@@ -289,7 +266,7 @@ def test_edited_instance_class_is_found(bundle: Path) -> None:
         inst = doc["points"][0]["instances"][1]
         inst["routing_class"] = "uniform" if inst["routing_class"] != "uniform" else "hot"
 
-    _edit(bundle, "peers.json", reclass)
+    edit_claim(bundle, "peers.json", reclass)
     res = audit_paths([bundle])
     assert {f.check for f in res.findings} == {"peers.field_mismatch"}
     assert {f.field for f in res.findings} == {"points[0].instances[1].routing_class"}
@@ -302,8 +279,8 @@ def test_tampered_run_sample_is_found(bundle: Path) -> None:
         doc["timing"]["median_us"] *= 0.9
         doc["timing"]["p90_us"] *= 0.9
 
-    _edit(bundle, "runs/mixtral-m4-zipf-i2-c.json", bump)
-    checks = _checks(bundle)
+    edit_claim(bundle, "runs/mixtral-m4-zipf-i2-c.json", bump)
+    checks = audit_codes(bundle)
     assert {"peers.median_mismatch", "peers.ratio_mismatch"} <= checks
 
 
@@ -312,22 +289,22 @@ def test_instance_runs_are_checked_against_their_own_trace(bundle: Path) -> None
         insts = doc["points"][0]["instances"]
         insts[0]["runs"]["b"] = insts[1]["runs"]["b"]
 
-    _edit(bundle, "peers.json", swap)
-    assert "peers.run_mismatch" in _checks(bundle)
+    edit_claim(bundle, "peers.json", swap)
+    assert "peers.run_mismatch" in audit_codes(bundle)
 
     def renumber(doc: dict[str, Any]) -> None:
         doc["points"][0]["instances"][2]["instance"] = 5
 
-    _edit(bundle, "peers.json", renumber)
-    assert "peers.field_mismatch" in _checks(bundle)
+    edit_claim(bundle, "peers.json", renumber)
+    assert "peers.field_mismatch" in audit_codes(bundle)
 
 
 def test_dropped_instance_is_found(bundle: Path) -> None:
     def drop(doc: dict[str, Any]) -> None:
         del doc["points"][0]["instances"][2]
 
-    _edit(bundle, "peers.json", drop)
-    assert _checks(bundle)
+    edit_claim(bundle, "peers.json", drop)
+    assert audit_codes(bundle)
 
 
 def _leaves(x: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...], Any]]:
@@ -403,7 +380,6 @@ def test_instance_rounds_keep_the_run_time_and_the_minimum() -> None:
 def test_a_pooled_document_of_schema_1_2_keeps_its_targets(published: Path, tmp_path: Path) -> None:
     """1.2 documents (before the held-out targets) audit by the targets they were written with;
     a 1.2 document carrying the held-out thresholds, or a 1.3 one the earlier, is a finding."""
-    from mxdb.evidence.files import dumps
     from mxdb.evidence.peers import HELDOUT_TARGETS, REPORT_FILE, build_targets, render
     from mxdb.evidence.writer import write_manifest
 
@@ -416,7 +392,7 @@ def test_a_pooled_document_of_schema_1_2_keeps_its_targets(published: Path, tmp_
         (dst / "peers.json").write_bytes(dumps(doc))
         (dst / REPORT_FILE).write_text(render(doc))
         write_manifest(dst, bundle_id="h200-peers-pooled", milestone="h200-peers-pooled")
-        return _checks(dst)
+        return audit_codes(dst)
 
     assert rewrite("1.2", TARGETS) == set()
     assert "peers.target_threshold_mismatch" in rewrite("1.2", HELDOUT_TARGETS)
@@ -430,7 +406,7 @@ def test_old_raw_layouts_publish_as_before(tmp_path: Path) -> None:
     assert doc["schema_version"] == "1.1"
     assert doc["points"][0]["runs"]["a"] == "mixtral-m4-zipf-a"
     assert all("instances" not in p for p in doc["points"])
-    assert _checks(bundle) == set()
+    assert audit_codes(bundle) == set()
 
 
 def _fake_gpu(monkeypatch: pytest.MonkeyPatch, calls: list[dict[str, Any]]) -> None:
@@ -567,7 +543,7 @@ def test_heldout_run_times_each_instance_on_its_own(
     ]
     bundle = tmp_path / "h200-peers-pooled"
     peers.publish(out, bundle)
-    assert _checks(bundle) == set()
+    assert audit_codes(bundle) == set()
     doc = _doc(bundle)
     assert doc["schema_version"] == "1.3" and doc["figures"]["n_instances"] == 234
 
@@ -629,7 +605,7 @@ def test_where_c_ran_a_peers_own_config_it_is_that_config(tmp_path: Path) -> Non
     for inst in raw["points"][0]["instances"]:
         inst["configs"]["c"] = CFG_B  # (c) answered vLLM's row; its timing 0.97-1.02x of (b)'s
     bundle = _publish(raw, tmp_path, "h200-peers-same")
-    assert _checks(bundle) == set()
+    assert audit_codes(bundle) == set()
     p = _doc(bundle)["points"][0]
     assert p["c_config_is_b"] is True
     assert p["speedup_c_over_b"] == 1.0 and p["c_slower_than_b"] is False
