@@ -109,24 +109,14 @@ def vllm_config(table: dict[str, Any], tokens: int) -> Any:
     return KernelConfig.uniform(GemmConfig.from_triton(raw))
 
 
-def bandwidth(torch: Any) -> float:
-    """Device-to-device copy bandwidth (read + write bytes per second), median of 20."""
-    n = 1 << 30
-    a = torch.empty(n, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    for _ in range(3):
-        b.copy_(a)
-    times = []
-    for _ in range(20):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1000)
-    times.sort()
-    del a, b
-    return 2 * n / times[len(times) // 2]
+def bandwidth() -> float:
+    """Device-to-device copy bandwidth (read + write bytes per second): the sample of the
+    median time of 20."""
+    from mxdb.kernels.timing import copy_bandwidth_samples
+
+    samples = copy_bandwidth_samples()
+    # the slowest-first sample at the middle: the bandwidth of the median copy time
+    return sorted(samples, reverse=True)[len(samples) // 2]
 
 
 def dispatch_cost(dispatcher: Any, shape: Any) -> dict[str, float]:
@@ -240,7 +230,7 @@ def run(a: argparse.Namespace) -> None:
         "points": [],
         "errors": [],
     }
-    doc["bandwidth_bytes_per_s"] = bandwidth(torch)
+    doc["bandwidth_bytes_per_s"] = bandwidth()
     dispatcher = None
     traces = workload_traces(a.workload) if a.workload and not a.heldout else None
     doc["trace_source"] = f"workload {a.workload}" if traces else "generated, seed = M"

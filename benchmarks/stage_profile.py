@@ -42,30 +42,16 @@ ROUNDS = 10
 def bandwidths(torch: Any, reps: int = 20) -> tuple[list[float], list[float], list[float]]:
     """Copy (read + write bytes) and streaming-read bandwidth samples, bytes per second, and
     dense bf16 matmul rate samples (8192^3), FLOP per second."""
+    from mxdb.kernels.timing import copy_bandwidth_samples, rate_samples
+
+    copy = copy_bandwidth_samples(reps)
     n = 1 << 30
-    a = torch.empty(n, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
     r = torch.ones(n, dtype=torch.bfloat16, device="cuda")
-
-    def timed(fn: Any) -> list[float]:
-        for _ in range(3):
-            fn()
-        out = []
-        for _ in range(reps):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            out.append(s.elapsed_time(e) / 1000)
-        return out
-
-    copy = [2 * n / t for t in timed(lambda: b.copy_(a))]
-    read = [2 * n / t for t in timed(lambda: r.sum(dtype=torch.float32))]
+    read = rate_samples(lambda: r.sum(dtype=torch.float32), 2 * n, reps=reps)
     s = 8192
     x = torch.randn(s, s, dtype=torch.bfloat16, device="cuda")
     y = torch.randn(s, s, dtype=torch.bfloat16, device="cuda")
-    mm = [2 * s**3 / t for t in timed(lambda: x @ y)]
+    mm = rate_samples(lambda: x @ y, 2 * s**3, reps=reps)
     return copy, read, mm
 
 

@@ -95,3 +95,30 @@ def time_interleaved(
     torch.cuda.synchronize()
     scale = 1000.0 / calls_per_sample
     return [[starts[i][r].elapsed_time(ends[i][r]) * scale for r in range(reps)] for i in range(n)]
+
+
+def rate_samples(
+    fn: Callable[[], object], amount: float, *, reps: int = 20, warmup: int = 3
+) -> list[float]:
+    """``amount`` (bytes, FLOPs) per second of ``fn``: one sample per call between two events,
+    after ``warmup`` calls (the device rates the memory-bound and compute floors divide by)."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        out.append(amount / (start.elapsed_time(end) / 1000))
+    return out
+
+
+def copy_bandwidth_samples(reps: int = 20) -> list[float]:
+    """Device-to-device copy bandwidth of a 1 GiB buffer (read + write bytes per second)."""
+    n = 1 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    return rate_samples(lambda: b.copy_(a), 2 * n, reps=reps)
