@@ -750,7 +750,7 @@ def validate(
     Each held-out instance of the point's class is one comparison (``heldout-N``): FlagGems'
     choice and its copies, the choice, and the peer row that set the bar; each neighbouring
     token count's instance (``tokens-M``) compares the choice with FlagGems' choice there, and
-    each other routing source's (``class-N``) with FlagGems' choice and the bar row.
+    each other routing source's (``class-N``) with FlagGems' choice and the point's peer rows.
     The choice is checked against the reference on every instance.  The replay's parity row
     (``result.parity_peer``), where it is another config, is timed on the held-out instances
     too; where the replay chose nothing, the held-out instances time the parity row alone.
