@@ -496,7 +496,7 @@ def test_heldout_run_times_each_instance_on_its_own(
     peers = _load("peers.py")
     calls: list[dict[str, Any]] = []
     _fake_gpu(monkeypatch, calls)
-    monkeypatch.setattr(peers, "bandwidth", lambda torch: 4.2e12)
+    monkeypatch.setattr(peers, "bandwidth", lambda: 4.2e12)
     monkeypatch.setattr(peers, "dispatch_cost", lambda d, s: {"mxdb_dispatch_hit_us": 0.2})
     vllm = tmp_path / "vllm"
     vllm.mkdir()
