@@ -21,7 +21,7 @@ from mxdb.audit.compare import Tol, same
 from mxdb.audit.findings import FindingSink
 from mxdb.configs import config_hash
 from mxdb.evidence import stats
-from mxdb.evidence.peers import TargetSpec, judge
+from mxdb.evidence.peers import DECODE_MAX_TOKENS, TargetSpec, judge
 from mxdb.shapes import preset_shape
 
 #: A place in a document: keys and list indices from its root.
@@ -99,6 +99,12 @@ class ClaimKind:
     def code(self, path: Path_) -> str:
         c = self.codes(path)
         return c if "." in c else f"{self.name}.{c}"
+
+
+#: The setting of every kind with decode points: which token counts they are.
+DECODE_SETTING: Mapping[str, tuple[Any, str]] = {
+    "decode_max_tokens": (DECODE_MAX_TOKENS, "decode points are those with M at most 16"),
+}
 
 
 def dotted(path: Path_) -> str:

@@ -13,10 +13,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mxdb.audit.claims import ClaimKind, Context, Path_, Unit, check_samples, check_shape_and_config
+from mxdb.audit.claims import (
+    DECODE_SETTING,
+    ClaimKind,
+    Context,
+    Path_,
+    Unit,
+    check_samples,
+    check_shape_and_config,
+)
 from mxdb.audit.findings import FindingSink
 from mxdb.evidence.lean_layer import (
-    DECODE_MAX_TOKENS,
     REPORT_FILE,
     SERIES,
     TARGETS,
@@ -95,7 +102,5 @@ KIND = ClaimKind(
     targets=TARGETS,
     whole_document=True,
     report=(REPORT_FILE, render),
-    settings={
-        "decode_max_tokens": (DECODE_MAX_TOKENS, "decode points are those with M at most 16")
-    },
+    settings=DECODE_SETTING,
 )

@@ -19,10 +19,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mxdb.audit.claims import ClaimKind, Context, Path_, Unit
+from mxdb.audit.claims import DECODE_SETTING, ClaimKind, Context, Path_, Unit
 from mxdb.audit.findings import FindingSink
 from mxdb.evidence.peers import (
-    DECODE_MAX_TOKENS,
     ENTRY_REASONS,
     LABELS,
     REPORT_FILE,
@@ -267,9 +266,7 @@ KIND = ClaimKind(
     units=(Unit("points", check=_point_ok),),
     figures=_figures,
     targets=lambda doc: targets_for(doc["schema_version"]),
-    settings={
-        "decode_max_tokens": (DECODE_MAX_TOKENS, "decode points are those with M at most 16")
-    },
+    settings=DECODE_SETTING,
     whole_document=True,
     report=(REPORT_FILE, render),
 )

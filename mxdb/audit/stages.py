@@ -11,10 +11,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from mxdb.audit.claims import ClaimKind, Context, Path_, Unit, check_samples, check_shape_and_config
+from mxdb.audit.claims import (
+    DECODE_SETTING,
+    ClaimKind,
+    Context,
+    Path_,
+    Unit,
+    check_samples,
+    check_shape_and_config,
+)
 from mxdb.audit.findings import FindingSink
 from mxdb.evidence.stages import (
-    DECODE_MAX_TOKENS,
     LARGE_MIN_TOKENS,
     REPORT_FILE,
     SERIES,
@@ -77,7 +84,7 @@ KIND = ClaimKind(
     preflight=_preflight,
     report=(REPORT_FILE, render),
     settings={
-        "decode_max_tokens": (DECODE_MAX_TOKENS, "decode points are those with M at most 16"),
+        **DECODE_SETTING,
         "large_min_tokens": (LARGE_MIN_TOKENS, "large points are those with M at least 64"),
     },
 )

@@ -31,13 +31,18 @@ from pydantic import Field
 
 from mxdb.evidence import stats
 from mxdb.evidence.models import Correctness, ShapeDoc, _Doc
-from mxdb.evidence.peers import Target, TargetSpec, build_targets, targets_markdown
+from mxdb.evidence.peers import (
+    DECODE_MAX_TOKENS,
+    Target,
+    TargetSpec,
+    build_targets,
+    targets_markdown,
+)
 
 LEAN_LAYER_FILE = "lean_layer.json"
 REPORT_FILE = "report/lean_layer.md"
 SCHEMA = "mxdb.lean-layer"
 SCHEMA_VERSION = "1.0"
-DECODE_MAX_TOKENS = 16
 #: sample series -> what it times
 SERIES: dict[str, str] = {
     "graph_layer": "CUDA-graph replay of MoELayer calls",

@@ -36,13 +36,13 @@ from pydantic import Field
 from mxdb import routing_gen
 from mxdb.evidence import stats
 from mxdb.evidence.models import ShapeDoc, _Doc
+from mxdb.evidence.peers import DECODE_MAX_TOKENS
 from mxdb.shapes import memory_floor_bytes
 
 STAGES_FILE = "stages.json"
 REPORT_FILE = "report/stages.md"
 SCHEMA = "mxdb.stages"
 SCHEMA_VERSION = "1.0"
-DECODE_MAX_TOKENS = 16
 LARGE_MIN_TOKENS = 64
 #: the pipeline's stages, in call order
 STAGES: tuple[str, ...] = ("align", "gemm1", "activation", "gemm2", "sum")
