@@ -26,7 +26,7 @@ from mxdb.kernels.pipeline import TORCH_DTYPES, MoEPipeline
 from mxdb.kernels.reference import compare, make_activations, make_weights, moe_reference
 from mxdb.kernels.timing import time_interleaved
 
-from mxdb.configs import GemmConfig, KernelConfig
+from mxdb.configs import IMPLS, GemmConfig, KernelConfig
 from mxdb.models import Fingerprint
 from mxdb.results import CompileResult, Correctness, Timing
 from mxdb.shapes import MoEShape
@@ -62,6 +62,8 @@ class GpuBackend:
     """Measures fused-MoE configs on one CUDA device."""
 
     name = "flaggems-triton-gpu"
+    #: layer implementations ``MoEPipeline`` runs
+    impls: tuple[str, ...] = IMPLS
 
     def __init__(
         self,

@@ -42,6 +42,8 @@ class GemmSpec:
     gemm: tuple[int, int, int, int, int, int]  # block_m, block_n, block_k, group_m, warps, stages
     align_block: int
     naive: bool
+    #: the layer implementation; ``fused_act``'s GEMM1 is mxdb's kernel, its GEMM2 FlagGems'
+    impl: str = "flaggems"
 
     def key(self) -> tuple[Any, ...]:
         return tuple(asdict(self).values())
@@ -67,6 +69,7 @@ def specs_for(shape: Any, config: Any, naive: bool | None = None) -> tuple[GemmS
                 gemm=(g.block_m, g.block_n, g.block_k, g.group_m, g.num_warps, g.num_stages),
                 align_block=config.align_block,
                 naive=naive,
+                impl=config.impl if which == "gemm1" else "flaggems",
             )
         )
     return out[0], out[1]
@@ -120,7 +123,8 @@ def _compile_spec(spec: GemmSpec) -> dict[str, Any]:
     try:
         import torch
         from flag_gems.fused.fused_moe import fused_moe_kernel
-        from mxdb.kernels.pipeline import TORCH_DTYPES, gemm_launches
+        from mxdb.kernels.fused_act import gemm1_act_kernel
+        from mxdb.kernels.pipeline import TORCH_DTYPES, act_launch, gemm_launches
         from triton.runtime.errors import OutOfResources
 
         from mxdb.configs import GemmConfig, KernelConfig
@@ -135,9 +139,16 @@ def _compile_spec(spec: GemmSpec) -> dict[str, Any]:
         launch = gemm_launches(shape, config, spec.naive)[0 if spec.which == "gemm1" else 1]
         dt = TORCH_DTYPES[spec.dtype]
         i32 = torch.int32
-        args, kwargs = launch.args(dt, dt, dt, torch.float32, i32, i32, i32)
+        jit: Any = fused_moe_kernel
+        if spec.impl == "fused_act":
+            jit = gemm1_act_kernel
+            args, kwargs = act_launch(launch, spec.intermediate, spec.hidden).args(
+                dt, dt, dt, i32, i32, i32
+            )
+        else:
+            args, kwargs = launch.args(dt, dt, dt, torch.float32, i32, i32, i32)
         try:
-            kernel = fused_moe_kernel.warmup(*args, grid=(1,), **kwargs)
+            kernel = jit.warmup(*args, grid=(1,), **kwargs)
             if hasattr(kernel, "result"):
                 kernel = kernel.result()
             res["shared"] = int(kernel.metadata.shared)

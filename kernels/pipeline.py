@@ -21,6 +21,11 @@ one value serves both GEMMs.
 Sparse batches (``tokens * topk * 4 <= experts``) follow FlagGems: no alignment, one tile per token
 slot ("naive block assignment"); ``align_block`` is then unused.
 
+A config whose ``impl`` is ``fused_act`` runs mxdb's own alignment and GEMM1 instead
+(:mod:`mxdb.kernels.fused_act`): one alignment launch that writes each GEMM's tile expert ids
+directly (batches up to ``ONE_PASS_MAX_SLOTS`` slots; larger ones align as above), and a GEMM1
+that writes ``silu(gate) * up`` so that step 3 disappears.
+
 Every buffer is allocated once, at construction, for one token count; a call does no allocation,
 no config lookup and no logging, so it can be captured in a CUDA graph.  The alignment runs
 FlagGems' own four stage kernels (``moe_align_block_size_stage1`` .. ``stage4``, the path
@@ -40,6 +45,7 @@ import triton
 import triton.language as tl
 from flag_gems.fused.fused_moe import MoEActivation, apply_moe_activation, fused_moe_kernel
 from flag_gems.fused.moe_sum import moe_sum
+from mxdb.kernels.fused_act import AlignLaunch, Gemm1ActLaunch, gemm1_act_kernel, one_pass_fits
 
 from mxdb.configs import GemmConfig, KernelConfig
 from mxdb.shapes import MoEShape
@@ -143,6 +149,17 @@ class GemmLaunch:
         return args, kwargs
 
 
+def act_launch(g1: GemmLaunch, intermediate: int, hidden: int) -> Gemm1ActLaunch:
+    """GEMM1 of the ``fused_act`` implementation, on the tiles and grid rows of ``g1``."""
+    g = g1.gemm
+    return Gemm1ActLaunch(
+        intermediate=intermediate, hidden=hidden, em=g1.em, num_valid=g1.num_valid,
+        top_k=g1.top_k, naive=g1.naive, block_m=g.block_m, block_n=g.block_n,
+        block_k=g.block_k, group_m=g.group_m, num_warps=g.num_warps, num_stages=g.num_stages,
+        compute_type=COMPUTE_TYPES[g1.dtype],
+    )  # fmt: skip
+
+
 def gemm_launches(
     shape: MoEShape, config: KernelConfig, naive: bool | None = None
 ) -> tuple[GemmLaunch, GemmLaunch]:
@@ -201,6 +218,8 @@ class MoEPipeline:
         self.w2 = w2
         self.g1, self.g2 = gemm_launches(shape, config, naive)
         self.naive = self.g1.naive
+        self.fused_act = config.impl == "fused_act"
+        self.act1 = act_launch(self.g1, i, h) if self.fused_act else None
         dev = w1.device
         slots = m * k
         align = config.align_block
@@ -208,12 +227,22 @@ class MoEPipeline:
         self.ntpp = torch.empty(1, dtype=i32, device=dev)
         # (destination, source) pairs that expand per-alignment-block expert ids to per-tile ids
         self._expand: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.one_pass: AlignLaunch | None = None
         if self.naive:
             # every tile index below slots * block_m is live; align >= both block_m
             self.ntpp.fill_(slots * align)
             self.sorted_ids: torch.Tensor | None = None
             self.align_expert_ids: torch.Tensor | None = None
             self._tile_ids: dict[str, torch.Tensor | None] = {"gemm1": None, "gemm2": None}
+        elif self.fused_act and one_pass_fits(slots):
+            length = padded_length(slots, e, align)
+            self.sorted_ids = torch.empty(length, dtype=i32, device=dev)
+            self.align_expert_ids = None
+            bm1, bm2 = config.gemm1.block_m, config.gemm2.block_m
+            t1 = torch.empty(length // bm1, dtype=i32, device=dev)
+            t2 = t1 if bm2 == bm1 else torch.empty(length // bm2, dtype=i32, device=dev)
+            self._tile_ids = {"gemm1": t1, "gemm2": t2}
+            self.one_pass = AlignLaunch(slots, e, align, bm1, bm2)
         else:
             length = padded_length(slots, e, align)
             self.sorted_ids = torch.empty(length, dtype=i32, device=dev)
@@ -248,19 +277,26 @@ class MoEPipeline:
                 if e == triton.next_power_of_2(e)
                 else _mab.moe_align_block_size_stage2
             )
-        # cache1 ([M, k, 2I]) and cache3 ([M, k, H]) are separate: no aliasing across calls
-        self.cache1 = torch.empty((m, k, 2 * i), dtype=dtype, device=dev)
+        # cache1 ([M, k, 2I]) and cache3 ([M, k, H]) are separate: no aliasing across calls;
+        # fused_act's GEMM1 writes cache2 itself and has no cache1
+        self.cache1 = torch.empty((m, k, 0 if self.fused_act else 2 * i), dtype=dtype, device=dev)
         self.cache2 = torch.empty((slots, i), dtype=dtype, device=dev)
         self.cache3 = torch.empty((m, k, h), dtype=dtype, device=dev)
         self.out = torch.empty((m, h), dtype=dtype, device=dev)
-        self._cache1_2d = self.cache1.view(slots, 2 * i)
-        self._a1, self._k1 = self.g1.args(
-            None, w1, self.cache1, None, self.sorted_ids, self._tile_ids["gemm1"], self.ntpp
-        )
+        self._cache1_2d = self.cache1.view(slots, -1)
+        if self.act1 is not None:
+            self._a1, self._k1 = self.act1.args(
+                None, w1, self.cache2, self.sorted_ids, self._tile_ids["gemm1"], self.ntpp
+            )
+            self._grid1 = self.act1.grid
+        else:
+            self._a1, self._k1 = self.g1.args(
+                None, w1, self.cache1, None, self.sorted_ids, self._tile_ids["gemm1"], self.ntpp
+            )
+            self._grid1 = self.g1.grid
         self._a2, self._k2 = self.g2.args(
             self.cache2, w2, self.cache3, None, self.sorted_ids, self._tile_ids["gemm2"], self.ntpp
         )
-        self._grid1 = self.g1.grid
         self._grid2 = self.g2.grid
         self._silu = MoEActivation.SILU
 
@@ -286,6 +322,19 @@ class MoEPipeline:
             ),
         ]
 
+    def _align(self, topk_ids: torch.Tensor) -> list[tuple[str, Callable[[], object]]]:
+        """The alignment's launches (none in the sparse mode)."""
+        if self.naive:
+            return []
+        if self.one_pass is not None:
+            sids, t1, t2 = self.sorted_ids, self._tile_ids["gemm1"], self._tile_ids["gemm2"]
+            one = self.one_pass
+            return [("triton", lambda: one.launch(topk_ids, sids, t1, t2, self.ntpp))]
+        out: list[tuple[str, Callable[[], object]]] = [("torch", self._cnts.zero_)]
+        out += [("triton", f) for f in self._align_stages(topk_ids)]
+        out += [("torch", lambda d=d, s=s: d.copy_(s)) for d, s in self._expand]  # type: ignore[misc]
+        return out
+
     def steps(
         self,
         x: torch.Tensor,
@@ -299,23 +348,38 @@ class MoEPipeline:
         directly; the torch steps (the memset of the alignment counts, the expansion of expert
         ids per tile) are replayed as they are.
         """
-        a1, a2 = list(self._a1), list(self._a2)
-        a1[0], a1[6], a2[6] = x, topk_weights, topk_weights
-        out_steps: list[tuple[str, Callable[[], object]]] = []
-        if self.naive:
-            a1[8] = a2[8] = topk_ids
-        else:
-            out_steps.append(("torch", self._cnts.zero_))
-            out_steps += [("triton", f) for f in self._align_stages(topk_ids)]
-            out_steps += [("torch", lambda d=d, s=s: d.copy_(s)) for d, s in self._expand]  # type: ignore[misc]
+        a1, a2 = self._bind(x, topk_weights, topk_ids)
         k1, k2, g1, g2 = self._k1, self._k2, self._grid1, self._grid2
+        out_steps = self._align(topk_ids)
+        if self.act1 is not None:
+            out_steps.append(("triton", lambda: gemm1_act_kernel[g1](*a1, **k1)))
+        else:
+            out_steps += [
+                ("triton", lambda: fused_moe_kernel[g1](*a1, **k1)),
+                ("triton", lambda: apply_moe_activation(self._silu, self.cache2, self._cache1_2d)),
+            ]
         out_steps += [
-            ("triton", lambda: fused_moe_kernel[g1](*a1, **k1)),
-            ("triton", lambda: apply_moe_activation(self._silu, self.cache2, self._cache1_2d)),
             ("triton", lambda: fused_moe_kernel[g2](*a2, **k2)),
             ("triton", lambda: moe_sum(self.cache3, out)),
         ]
         return out_steps
+
+    def _bind(
+        self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor
+    ) -> tuple[list[Any], list[Any]]:
+        """GEMM1's and GEMM2's argument lists with this call's tensors."""
+        a1, a2 = list(self._a1), list(self._a2)
+        a1[0], a2[6] = x, topk_weights
+        if self.act1 is not None:
+            if self.naive:
+                a1[4] = topk_ids
+        else:
+            a1[6] = topk_weights
+            if self.naive:
+                a1[8] = topk_ids
+        if self.naive:
+            a2[8] = topk_ids
+        return a1, a2
 
     def __call__(
         self,
@@ -324,24 +388,7 @@ class MoEPipeline:
         topk_ids: torch.Tensor,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if self.naive:
-            a1 = self._a1
-            a1[0], a1[6], a1[8] = x, topk_weights, topk_ids
-            a2 = self._a2
-            a2[6], a2[8] = topk_weights, topk_ids
-        else:
-            self._cnts.zero_()
-            for launch in self._align_stages(topk_ids):
-                launch()
-            for dst, src in self._expand:
-                dst.copy_(src)
-            a1 = self._a1
-            a1[0], a1[6] = x, topk_weights
-            a2 = self._a2
-            a2[6] = topk_weights
-        fused_moe_kernel[self._grid1](*a1, **self._k1)
-        apply_moe_activation(self._silu, self.cache2, self._cache1_2d)
-        fused_moe_kernel[self._grid2](*a2, **self._k2)
         result = self.out if out is None else out
-        moe_sum(self.cache3, result)
+        for _, launch in self.steps(x, topk_weights, topk_ids, result):
+            launch()
         return result

@@ -50,6 +50,14 @@ EXTRA_LAUNCH_KEYS: tuple[str, ...] = (
 )
 LaunchExtra = tuple[tuple[str, int | str], ...]
 
+#: The fused-MoE layer implementations a config may name (``KernelConfig.impl``):
+#: ``flaggems``: FlagGems' staged alignment, ``fused_moe_kernel`` for both GEMMs, its SiLU-and-mul
+#: and sum kernels (what FlagGems and vLLM run); ``fused_act``: mxdb's one-pass alignment and a
+#: GEMM1 that applies SiLU-and-mul in its epilogue (``mxdb.kernels.fused_act``), then FlagGems'
+#: GEMM2 and sum.  The first is the default, and the only one peers' tables can express.
+IMPLS: tuple[str, ...] = ("flaggems", "fused_act")
+DEFAULT_IMPL = "flaggems"
+
 
 def _is_pow2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
@@ -155,13 +163,30 @@ class GemmConfig(BaseModel):
 
 
 class KernelConfig(BaseModel):
-    """A whole fused-MoE layer config: both GEMMs and the alignment block."""
+    """A whole fused-MoE layer config: the implementation, both GEMMs and the alignment block."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     gemm1: GemmConfig
     gemm2: GemmConfig
     align_block: int = Field(ge=1, le=1024)
+    #: the layer implementation (:data:`IMPLS`); left out of the dump (and so of the hash) when
+    #: it is the default, so configs stored before implementations existed keep their identity
+    impl: str = Field(default=DEFAULT_IMPL, description="layer implementation: " + ", ".join(IMPLS))
+
+    @field_validator("impl")
+    @classmethod
+    def _known_impl(cls, value: str) -> str:
+        if value not in IMPLS:
+            raise ValueError(f"unknown implementation {value!r}; known: {', '.join(IMPLS)}")
+        return value
+
+    @model_serializer(mode="wrap")
+    def _drop_default_impl(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        data: dict[str, Any] = handler(self)
+        if self.impl == DEFAULT_IMPL:
+            data.pop("impl", None)
+        return data
 
     @model_validator(mode="after")
     def _alignment(self) -> KernelConfig:
@@ -172,6 +197,23 @@ class KernelConfig(BaseModel):
                     f"align_block ({self.align_block}) must be a multiple of {name}.block_m ({bm})"
                 )
         return self
+
+    @property
+    def single(self) -> bool:
+        """One config of FlagGems' kernels for both GEMMs, aligned to its BLOCK_SIZE_M: what
+        FlagGems' calls and vLLM's and FlagGems' tables can express."""
+        g1 = self.gemm1
+        return self.impl == DEFAULT_IMPL and g1 == self.gemm2 and self.align_block == g1.block_m
+
+    def with_impl(self, impl: str) -> KernelConfig:
+        """The same tiles under another implementation."""
+        return (
+            self
+            if impl == self.impl
+            else KernelConfig(
+                gemm1=self.gemm1, gemm2=self.gemm2, align_block=self.align_block, impl=impl
+            )
+        )
 
     @classmethod
     def uniform(cls, gemm: GemmConfig) -> KernelConfig:
@@ -196,12 +238,14 @@ class KernelConfig(BaseModel):
                 gemm1 = g1 if isinstance(g1, GemmConfig) else _gemm_any(g1)
                 gemm2 = g2 if isinstance(g2, GemmConfig) else _gemm_any(g2)
                 align = data.get("align_block", max(gemm1.block_m, gemm2.block_m))
-                extra = sorted(set(data) - {"gemm1", "gemm2", "align_block"})
+                extra = sorted(set(data) - {"gemm1", "gemm2", "align_block", "impl"})
                 if extra:
                     raise ConfigError(
-                        f"unknown kernel config keys {extra}; valid: gemm1, gemm2, align_block"
+                        f"unknown kernel config keys {extra}; valid: gemm1, gemm2, "
+                        "align_block, impl"
                     )
-                return cls(gemm1=gemm1, gemm2=gemm2, align_block=align)
+                impl = data.get("impl", DEFAULT_IMPL)
+                return cls(gemm1=gemm1, gemm2=gemm2, align_block=align, impl=impl)
             except KeyError:
                 raise ConfigError("a kernel config with gemm2 needs gemm1 too") from None
             except ValidationError as exc:
@@ -217,9 +261,10 @@ class KernelConfig(BaseModel):
         return config_hash(self.model_dump())
 
     def short(self) -> str:
+        impl = "" if self.impl == DEFAULT_IMPL else f" | {self.impl}"
         if self.gemm1 == self.gemm2 and self.align_block == self.gemm1.block_m:
-            return self.gemm1.short()
-        return f"{self.gemm1.short()} | {self.gemm2.short()} | align{self.align_block}"
+            return self.gemm1.short() + impl
+        return f"{self.gemm1.short()} | {self.gemm2.short()} | align{self.align_block}{impl}"
 
 
 def config_hash(config: dict[str, Any]) -> str:

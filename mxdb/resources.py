@@ -210,10 +210,12 @@ def estimate(
     gemm_index: int = 1,
     shape: MoEShape | None = None,
     triton: str | None = None,
+    weight_tiles: int = 1,
 ) -> ResourceEstimate:
     """Shared memory, registers and threads of one GEMM config on ``profile``.
 
-    ``shape`` (optional) only adds warnings about tiles larger than the GEMM.  ``triton``
+    ``weight_tiles`` is 2 for the ``fused_act`` implementation's GEMM1, whose program loads a
+    gate and an up tile of the weights and keeps an accumulator for each.  ``shape`` (optional) only adds warnings about tiles larger than the GEMM.  ``triton``
     (optional) is the Triton release the config will be compiled with: it selects the
     ``KNOWN_COMPILE_FAILURES`` that apply (all of them when not given).
     """
@@ -223,17 +225,18 @@ def estimate(
     nbytes = DTYPE_BYTES[dtype_name]
     bm, bn, bk = gemm.block_m, gemm.block_n, gemm.block_k
     buffers = smem_buffers(gemm, profile)
-    smem = (bm * bk + bk * bn) * nbytes * buffers
+    wn = weight_tiles * bn
+    smem = (bm * bk + bk * wn) * nbytes * buffers
     threads = gemm.num_warps * profile.warp_size
-    acc_regs = math.ceil(bm * bn / threads)
-    operand_words = (bm * bk + bk * bn) * nbytes / 4 / threads
+    acc_regs = math.ceil(bm * wn / threads)
+    operand_words = (bm * bk + bk * wn) * nbytes / 4 / threads
     regs = math.ceil(acc_regs + REG_OPERAND_WEIGHT * operand_words + REG_OVERHEAD)
 
     reasons: list[str] = []
     warnings: list[str] = []
     if smem > profile.smem_per_block:
         reasons.append(
-            f"needs {smem:,} B of shared memory ({buffers} x ({bm}x{bk} + {bk}x{bn}) x "
+            f"needs {smem:,} B of shared memory ({buffers} x ({bm}x{bk} + {bk}x{wn}) x "
             f"{nbytes} B), above the {profile.smem_per_block:,} B per block of {profile.name}"
         )
     if threads > profile.max_threads_per_block:
@@ -316,7 +319,8 @@ def check(
     else:
         kc = KernelConfig.parse(config)
     kw: dict[str, Any] = {"dtype": shape.dtype, "profile": profile, "shape": shape}
-    g1 = estimate(kc.gemm1, gemm_index=1, triton=triton, **kw)
+    tiles1 = 2 if kc.impl == "fused_act" else 1
+    g1 = estimate(kc.gemm1, gemm_index=1, triton=triton, weight_tiles=tiles1, **kw)
     g2 = estimate(kc.gemm2, gemm_index=2, triton=triton, **kw)
     return CheckResult(
         profile=profile.name,

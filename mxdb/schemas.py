@@ -25,7 +25,7 @@ DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
 #: name -> (model "module:Class", schema version, pydantic JSON-schema mode)
 REGISTRY: dict[str, tuple[str, str, str]] = {
-    "workload": ("mxdb.tune.workload:Workload", "1.3", "validation"),
+    "workload": ("mxdb.tune.workload:Workload", "1.4", "validation"),
     "trace": ("mxdb.evidence.models:TraceDoc", "1.0", "serialization"),
     "run": ("mxdb.evidence.models:RunRecord", "1.2", "serialization"),
     "manifest": ("mxdb.evidence.models:Manifest", "1.0", "serialization"),

@@ -196,6 +196,21 @@ def test_split_config_modes(fm: Any, store: Store) -> None:
     assert hook.stats()["split_fallback"] == 1
 
 
+def test_an_entry_of_another_implementation_runs_mxdbs_pipeline(fm: Any, store: Store) -> None:
+    fused = CFG_A.with_impl("fused_act")
+    store.add_entries([_entry(fused)])
+    ran: list[KernelConfig] = []
+
+    def factory(w1: Any, w2: Any, topk: int, config: KernelConfig) -> Any:
+        return lambda x, tw, ids, inplace: ran.append(config) or "pipeline-out"
+
+    hook = mxdb.install(Dispatcher(store, H200), monitor_every=0, pipeline_factory=factory)
+    assert fm.fused_experts_impl(*_args()) == "pipeline-out"
+    # FlagGems' own path would run the tiles with its own kernels: never taken
+    assert ran == [fused] and fm.CALLS == []
+    assert hook.stats()["split_pipeline"] == 1
+
+
 def test_routing_monitor_updates_the_layer_class(fm: Any, store: Store) -> None:
     store.add_entries([_entry(CFG_A, routing="uniform"), _entry(CFG_B, routing="hot")])
     hook = mxdb.install(Dispatcher(store, H200), monitor_every=4)

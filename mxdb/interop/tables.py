@@ -12,8 +12,8 @@ as one config for both GEMMs.  Each row, for the chosen fingerprint, dtype and r
 2. else a ``parity`` record's config (a peer's row at parity with FlagGems' choice, which the
    dispatcher answers there);
 3. else the verified *uniform* entry with the highest speedup;
-4. else, where the verified entry is split (two GEMM configs or another alignment block,
-   which these tables cannot express), the best single config the tuner measured beside it
+4. else, where the verified entry is split (two GEMM configs, another alignment block or
+   another implementation than FlagGems', which these tables cannot express), the best single config the tuner measured beside it
    (a ``tune-single`` record), else the baseline config that entry was measured against;
 5. else vLLM's own row at that M, from a vLLM table imported for the same device;
 6. else (no measurement and no imported vLLM table) the row of the nearest M decided above,
@@ -213,14 +213,13 @@ def _measured_row(at_key: list[Entry], notes: list[str]) -> Row | None:
 
 
 def _uniform_gemm(e: Entry) -> GemmConfig | None:
-    """The entry's config when it is one config for both GEMMs aligned to its BLOCK_SIZE_M."""
+    """The entry's config when it is one config of FlagGems' kernels for both GEMMs, aligned
+    to its BLOCK_SIZE_M."""
     try:
         cfg = KernelConfig.parse(e.config)
     except ConfigError:
         return None
-    if cfg.gemm1 != cfg.gemm2 or cfg.align_block != cfg.gemm1.block_m:
-        return None
-    return cfg.gemm1
+    return cfg.gemm1 if cfg.single else None
 
 
 def _imported_vllm_rows(

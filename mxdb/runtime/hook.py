@@ -34,9 +34,10 @@ fallback calls (``lean=False``) still log it.  The filter is removed by ``uninst
 
 **Configs FlagGems cannot express.**  FlagGems uses one config dict for both GEMMs and aligns
 to its ``BLOCK_SIZE_M``.  A verified ``KernelConfig`` whose GEMM2 differs from GEMM1, or whose
-``align_block`` is not GEMM1's ``block_m``, is not representable.  Such a call goes through
-mxdb's own pipeline (``mxdb.kernels.layer.MoELayer``, FlagGems' kernels launched with the
-exact verified config): running GEMM1's config for both GEMMs would run a combination that was
+``align_block`` is not GEMM1's ``block_m``, is not representable; nor is one that names another
+implementation than FlagGems' (``impl``, e.g. ``fused_act``).  Such a call goes through
+mxdb's own pipeline (``mxdb.kernels.layer.MoELayer``, the kernels of the config's
+implementation launched with the exact verified config): running GEMM1's config for both GEMMs would run a combination that was
 never measured or verified.  ``split="gemm1"`` selects that approximation instead (counted as
 ``split_gemm1`` in ``stats()``); ``split="fallback"`` gives such calls FlagGems' own choice.
 
@@ -546,7 +547,7 @@ class Hook:
             # Once per config object (the dispatcher shares them): equality and hashing of
             # pydantic models cost microseconds, too much for every call.
             g1 = config.gemm1
-            fits = g1 == config.gemm2 and config.align_block == g1.block_m
+            fits = config.single
             plan = (config, fits, g1.to_triton())
             self._plans[id(config)] = plan
         _, fits, triton = plan

@@ -15,9 +15,10 @@ Ladder, cheapest first:
    alignment block the smallest both accept (and its double as a move), every move timed
    interleaved with the incumbent.  Every timing of a point uses the point's seed, so a GPU
    backend builds the point's inputs once.
-4. **replay**: the finalists (and the peer tables' configs, always), FlagGems' baseline and a
-   same-config control pair (baseline vs baseline) are timed interleaved on the workload's
-   stored trace, ``replicates`` times.
+4. **replay**: the finalists (and the peer tables' configs, always), each also under the other
+   layer implementations (``SearchOptions.impls``: the same tiles, and GEMM1 at half the
+   ``block_n``), FlagGems' baseline and a same-config control pair (baseline vs baseline) are
+   timed interleaved on the workload's stored trace, ``replicates`` times.
 5. **layer**: the finalists run the whole layer against the float32 reference; the fastest
    correct one wins.
 
@@ -38,7 +39,7 @@ from typing import Any
 import numpy as np
 
 from mxdb import pointverdict
-from mxdb.configs import GemmConfig, KernelConfig
+from mxdb.configs import DEFAULT_IMPL, GemmConfig, KernelConfig
 from mxdb.evidence import stats
 from mxdb.models import Measurement
 from mxdb.resources import VLLM_GRID
@@ -294,6 +295,13 @@ def search(
     ok = {c.hash for c in compiled}
     chosen = {c.hash for c in finalists}
     finalists += [c for c in seeds if c.hash in ok and c.hash not in chosen]
+    # 4a. the same tiles under the other layer implementations the backend runs
+    variants = impl_variants(finalists, implementations(backend, options))
+    kept_v, dropped_v = space.prune(variants)
+    for p in dropped_v:
+        rec.add(p.config, fidelity="proxy", status="oor", error=p.reason)
+    finalists += _compile(backend, shape, kept_v, rec)
+    stages["impl_variants"] = len(variants)
     result = SearchResult(
         shape=shape,
         measurements=rec.items,
@@ -316,6 +324,32 @@ def search(
     result.budget_exhausted = budget.exhausted
     result.spent_s = budget.spent()
     return result
+
+
+def implementations(backend: Backend, options: SearchOptions) -> list[str]:
+    """The layer implementations besides FlagGems' that the search times: those the workload
+    asks for (``SearchOptions.impls``) that the backend runs (its ``impls`` attribute; a
+    backend without one runs FlagGems' kernels only)."""
+    runs = getattr(backend, "impls", (DEFAULT_IMPL,))
+    return [i for i in options.impls if i != DEFAULT_IMPL and i in runs]
+
+
+def impl_variants(configs: Sequence[KernelConfig], impls: Sequence[str]) -> list[KernelConfig]:
+    """Each FlagGems config under every implementation of ``impls``, and with GEMM1's
+    ``block_n`` halved: ``fused_act``'s GEMM1 program reads a gate and an up tile, twice the
+    weight rows of the same ``block_n``."""
+    out: list[KernelConfig] = []
+    for c in configs:
+        if c.impl != DEFAULT_IMPL:
+            continue
+        for impl in impls:
+            out.append(c.with_impl(impl))
+            g1 = c.gemm1
+            if g1.block_n >= 32:
+                half = g1.model_copy(update={"block_n": g1.block_n // 2})
+                out.append(c.model_copy(update={"gemm1": half, "impl": impl}))
+    seen = {c.hash for c in configs}
+    return [c for c in _dedup(out) if c.hash not in seen]
 
 
 def _line(space: SearchSpace, g: GemmConfig) -> list[GemmConfig]:

@@ -77,7 +77,7 @@ def single_record(
     """The best *single* config measured at a point whose verified winner is split.
 
     vLLM's and FlagGems' tables hold one config for both GEMMs, aligned to its BLOCK_SIZE_M;
-    a split winner (two GEMM configs, or another alignment block) cannot be written there, and
+    a split winner (two GEMM configs, another alignment block or another implementation) cannot be written there, and
     neither half of it was measured alone.  The fastest uniform config of the point's replay
     comparison that is itself faster than FlagGems' choice (``mxdb.verdict``) is kept as an
     entry of status ``imported`` and source ``tune-single``: never dispatched, read by the
@@ -86,8 +86,7 @@ def single_record(
     """
     if decision.status != "verified" or result.winner is None:
         return None
-    w = result.winner
-    if w.gemm1 == w.gemm2 and w.align_block == w.gemm1.block_m:
+    if result.winner.single:
         return None  # the verified entry is itself a single config
     arms = {
         m.run_id: (m, pointverdict.arm_from_measurement(m))
@@ -102,8 +101,7 @@ def single_record(
     for m, a in arms.values():
         if a.role not in ("candidate", "peer") or not pointverdict.usable(a):
             continue
-        cfg = KernelConfig.parse(m.config)
-        if cfg.gemm1 != cfg.gemm2 or cfg.align_block != cfg.gemm1.block_m:
+        if not KernelConfig.parse(m.config).single:
             continue
         v = verdict.compare(samples, a.samples, margin=a.margin)
         if v.faster and (best is None or (v.speedup or 0.0) > (best[0].speedup or 0.0)):

@@ -35,6 +35,7 @@ from pydantic import (
     model_validator,
 )
 
+from mxdb.configs import IMPLS
 from mxdb.errors import ShapeError, WorkloadError
 from mxdb.hashing import canonical_hash
 from mxdb.shapes import MAX_DIMS, PRESETS, MoEShape, canonical_dtype
@@ -175,6 +176,11 @@ class SearchOptions(BaseModel):
         description="the first rung also holds every config one field away from FlagGems' "
         "choice and the peer seeds (a line search along each field); off for quick sweeps",
     )
+    impls: list[str] = Field(
+        default_factory=lambda: list(IMPLS),
+        description="layer implementations searched: every finalist is also timed under each "
+        "of these besides FlagGems' own (mxdb.configs.IMPLS)",
+    )
     check_seed: int = 1234
     verify_margin: float = Field(
         default=0.005,
@@ -197,6 +203,14 @@ class SearchOptions(BaseModel):
         description="also validate the choice at the token counts half-way (geometric) to the "
         "neighbouring ones, so that the dispatcher may answer them from this entry",
     )
+
+    @field_validator("impls")
+    @classmethod
+    def _known_impls(cls, value: list[str]) -> list[str]:
+        unknown = [v for v in value if v not in IMPLS]
+        if unknown:
+            raise ValueError(f"unknown implementations {unknown}; known: {', '.join(IMPLS)}")
+        return value
 
 
 class Workload(BaseModel):
