@@ -70,6 +70,17 @@ def _own_entry(bundle: Path, status: str) -> int:
     )
 
 
+def _with_own_entry(root: Path, status: str) -> tuple[Path, int]:
+    """The first peers bundle holding an entry of ``status`` backed by its own runs, and it
+    (at small M several routings fall in one class, so a key's record may live elsewhere)."""
+    for b in sorted(root.glob("h200-peers-*")):
+        try:
+            return b, _own_entry(b, status)
+        except StopIteration:
+            continue
+    raise AssertionError(f"no committed peers bundle has its own {status} entry")
+
+
 def test_the_committed_bundles_audit_clean(bundles: Path) -> None:
     assert audit_paths([bundles]).findings == ()
 
@@ -99,9 +110,8 @@ def test_an_inflated_speedup_is_caught(bundles: Path) -> None:
 
 
 def test_a_baseline_record_promoted_to_verified_is_caught(bundles: Path) -> None:
-    b = _uniform(bundles)
+    b, i = _with_own_entry(bundles, "baseline")
     export = _load(b / EXPORT)
-    i = _own_entry(b, "baseline")
     export["entries"][i]["status"] = "verified"
     _save_and_remanifest(b, EXPORT, export)
     assert "store_export.unbacked_entry" in _checks(bundles)

@@ -1,0 +1,102 @@
+"""What the layer implementations gave, from the replayed comparisons of tune bundles.
+
+At every tuning point the tuner times its finalists under each implementation, interleaved on
+the point's own trace (``mxdb.tune.search``, stage 4).  This reads those runs (audited raw
+samples, no GPU needed) and prints, per point, the fastest ``flaggems`` config's median over the
+fastest ``fused_act`` config's: how much the implementation dimension adds to config choice.
+
+    python benchmarks/impl_gain.py evidence/h200-peers-*-20261201T06* \
+        --out benchmarks/results/impl_gain.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from mxdb.configs import KernelConfig
+from mxdb.fileio import atomic_write_json
+
+#: Roles of a replayed comparison's arms that ran a config to completion.
+ROLES = ("candidate", "peer", "baseline", "control")
+
+
+def _geomean(xs: list[float]) -> float:
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def best_by_impl(bundles: list[Path]) -> dict[tuple[int, int, str], dict[str, float]]:
+    """``(experts, tokens, point) -> {impl: fastest median us}`` over the bundles' replay runs."""
+    out: dict[tuple[int, int, str], dict[str, float]] = defaultdict(dict)
+    for bundle in bundles:
+        for f in sorted((bundle / "runs").glob("*.json")):
+            r = json.loads(f.read_text())
+            if r.get("comparison") != "replay" or r.get("status") != "ok":
+                continue
+            med = (r.get("timing") or {}).get("median_us")
+            if r.get("role") not in ROLES or med is None:
+                continue
+            impl = KernelConfig.parse(r["config"]).impl
+            key = (r["shape"]["experts"], r["shape"]["tokens"], r["point"])
+            out[key][impl] = min(out[key].get(impl, math.inf), float(med))
+    return out
+
+
+def summarize(best: dict[tuple[int, int, str], dict[str, float]]) -> dict[str, Any]:
+    rows: list[dict[str, Any]] = [
+        {"experts": e, "tokens": m, "point": p, "ratio": d["flaggems"] / d["fused_act"]}
+        for (e, m, p), d in sorted(best.items())
+        if "flaggems" in d and "fused_act" in d
+    ]
+    if not rows:
+        raise SystemExit("no point timed both implementations in these bundles")
+    by_family: dict[str, Any] = {}
+    for e in sorted({r["experts"] for r in rows}):
+        rs = [r for r in rows if r["experts"] == e]
+        by_m: dict[int, list[float]] = defaultdict(list)
+        for r in rs:
+            by_m[r["tokens"]].append(r["ratio"])
+        by_family[f"E{e}"] = {
+            "points": len(rs),
+            "geomean": _geomean([r["ratio"] for r in rs]),
+            "min": min(r["ratio"] for r in rs),
+            "max": max(r["ratio"] for r in rs),
+            "by_tokens": {str(m): _geomean(v) for m, v in sorted(by_m.items())},
+        }
+    return {
+        "what": "per tuning point: fastest flaggems config / fastest fused_act config, replay "
+        "medians of one interleaved comparison on the point's trace",
+        "points": len(rows),
+        "geomean": _geomean([r["ratio"] for r in rows]),
+        "by_family": by_family,
+        "rows": rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("bundles", nargs="+", type=Path, help="tune bundles (evidence/...)")
+    ap.add_argument("--out", type=Path, help="write the figures as JSON here")
+    args = ap.parse_args(argv)
+    res = summarize(best_by_impl(args.bundles))
+    print(
+        f"{res['points']} points: fastest flaggems / fastest fused_act, geomean {res['geomean']:.4f}"
+    )
+    for fam, f in res["by_family"].items():
+        print(
+            f"  {fam}: {f['points']} points, geomean {f['geomean']:.4f} "
+            f"({f['min']:.3f}-{f['max']:.3f}); by M: "
+            + " ".join(f"{m}:{v:.3f}" for m, v in f["by_tokens"].items())
+        )
+    if args.out:
+        atomic_write_json(args.out, res)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
