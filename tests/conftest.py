@@ -104,3 +104,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         marker = pytest.mark.skip(reason=f"GPU test skipped: {reason}")
         for item in gpu_items:
             item.add_marker(marker)
+
+
+@pytest.fixture(scope="module")
+def cuda_torch() -> Any:
+    """torch, for GPU tests of FlagGems' and mxdb's kernels (skips without CUDA or flag_gems)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("flag_gems")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    return torch

@@ -8,23 +8,16 @@ from __future__ import annotations
 
 import pytest
 
-from mxdb.configs import GemmConfig, KernelConfig
+from mxdb.configs import KernelConfig
 from mxdb.shapes import MoEShape
+from tests.test_kernels_gpu import _gemm, _run_case
 
 pytestmark = pytest.mark.gpu
 
 
-def _gemm(m: int, n: int, k: int, g: int = 1, w: int = 4, s: int = 3) -> GemmConfig:
-    return GemmConfig(block_m=m, block_n=n, block_k=k, group_m=g, num_warps=w, num_stages=s)
-
-
 @pytest.fixture(scope="module")
-def torch():
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("flag_gems")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    return torch
+def torch(cuda_torch):
+    return cuda_torch
 
 
 def _fused(g1, g2=None, align=None) -> KernelConfig:
@@ -32,18 +25,6 @@ def _fused(g1, g2=None, align=None) -> KernelConfig:
     return KernelConfig(
         gemm1=g1, gemm2=g2, align_block=align or max(g1.block_m, g2.block_m), impl="fused_act"
     )
-
-
-def _run(torch, shape, config, ids=None, seed=0, naive=None):
-    from mxdb.kernels.pipeline import MoEPipeline
-    from mxdb.kernels.reference import compare, make_inputs, moe_reference
-
-    inp = make_inputs(shape, seed, ids)
-    p = MoEPipeline(shape, config, inp.w1, inp.w2, naive=naive)
-    out = torch.full_like(p.out, float("nan"))
-    p(inp.x, inp.topk_weights, inp.topk_ids, out=out)
-    ref = moe_reference(inp.x, inp.w1, inp.w2, inp.topk_weights, inp.topk_ids)
-    return p, compare(out, ref, shape.dtype), out
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
@@ -54,7 +35,7 @@ def test_fused_act_layer_matches_reference(torch, dtype, tokens):
         _fused(_gemm(16, 64, 64)),
         _fused(_gemm(32, 32, 128), _gemm(64, 128, 64), 64),
     ):
-        p, rep, out = _run(torch, shape, config, seed=tokens)
+        p, rep, out, _ = _run_case(torch, shape, config, seed=tokens)
         assert bool(torch.isfinite(out).all()), "some output rows were never written"
         assert rep.passed, (config.short(), rep)
         # 1100 x 4 slots stay within one pass; the cache of GEMM1's 2I outputs is gone
@@ -67,7 +48,7 @@ def test_fused_act_staged_alignment_beyond_one_pass(torch):
 
     tokens = ONE_PASS_MAX_SLOTS // 2 + 5  # k = 2: just past the one-pass limit
     shape = MoEShape(8, 1024, 512, 2, tokens=tokens, dtype="bf16")
-    p, rep, _ = _run(torch, shape, _fused(_gemm(64, 64, 64), _gemm(32, 64, 64), 64), seed=2)
+    p, rep, _, _ = _run_case(torch, shape, _fused(_gemm(64, 64, 64), _gemm(32, 64, 64), 64), seed=2)
     assert p.one_pass is None and not p.naive
     assert rep.passed, rep
 
@@ -116,7 +97,7 @@ def test_fused_act_skewed_and_empty_experts(torch):
         [torch.full((45, 1), 7, device="cuda"), others[:, :6].topk(3, dim=-1).indices], dim=1
     ).to(torch.int32)
     for naive in (False, True):
-        _, rep, _ = _run(torch, shape, _fused(_gemm(16, 64, 64)), ids, seed=5, naive=naive)
+        _, rep, _, _ = _run_case(torch, shape, _fused(_gemm(16, 64, 64)), ids, seed=5, naive=naive)
         assert rep.passed, (naive, rep)
 
 
@@ -124,7 +105,7 @@ def test_fused_act_int64_ids_and_sparse_mode(torch):
     shape = MoEShape(128, 1024, 768, 8, tokens=2, dtype="bf16")  # 16 slots x 4 <= 128: naive
     gen = torch.Generator(device="cuda").manual_seed(9)
     ids = torch.rand((2, 128), generator=gen, device="cuda").topk(8).indices  # int64
-    p, rep, _ = _run(torch, shape, _fused(_gemm(16, 64, 128)), ids, seed=9)
+    p, rep, _, _ = _run_case(torch, shape, _fused(_gemm(16, 64, 128)), ids, seed=9)
     assert p.naive
     assert rep.passed, rep
 

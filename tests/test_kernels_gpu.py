@@ -18,12 +18,8 @@ def _gemm(m: int, n: int, k: int, g: int = 1, w: int = 4, s: int = 3) -> GemmCon
 
 
 @pytest.fixture(scope="module")
-def torch():
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("flag_gems")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    return torch
+def torch(cuda_torch):
+    return cuda_torch
 
 
 def _run_case(torch, shape, config, topk_ids=None, seed=0, naive=None):
