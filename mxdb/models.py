@@ -51,6 +51,10 @@ EntryStatus = Literal["verified", "baseline", "parity", "imported", "stale", "re
 #: The statuses of a tuner's decisions still in force: what the dispatcher reads, exports
 #: carry, drift judges and a later measurement may reject.
 DECIDED_STATUSES: tuple[str, ...] = ("verified", "baseline", "parity")
+#: The source of a tuner's best single-config record: status ``imported`` (never dispatched),
+#: kept beside a verified winner that vLLM's and FlagGems' tables cannot express
+#: (``mxdb.tune.verify.single_record``); the table exports read it.
+SINGLE_SOURCE = "tune-single"
 MeasurementStatus = Literal["ok", "oor", "compile_error", "wrong", "timeout", "slower"]
 MEASUREMENT_STATUSES: tuple[str, ...] = ("ok", "oor", "compile_error", "wrong", "timeout", "slower")
 

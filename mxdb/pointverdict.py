@@ -43,7 +43,7 @@ The decision:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -147,6 +147,29 @@ def copies_of(arms: Sequence[Arm]) -> tuple[Arm | None, list[Arm]]:
 
 def usable(a: Arm) -> bool:
     return a.status == "ok" and bool(a.samples) and a.correct is True
+
+
+def best_single(
+    arms: Sequence[Arm], single: Callable[[Arm], bool]
+) -> tuple[Arm, verdict.Verdict] | None:
+    """The fastest arm of a point's replayed comparison that ``single`` accepts (one FlagGems
+    config for both GEMMs: what vLLM's and FlagGems' tables can hold) and that is faster than
+    FlagGems' choice by the verdict rule; None when there is none.  The tuner keeps it beside a
+    winner those tables cannot express (``mxdb.tune.verify.single_record``) and the audit
+    re-makes it from the runs."""
+    replay = [a for a in arms if a.comparison == "replay"]
+    _, copies = copies_of(replay)
+    if len(copies) < 2:
+        return None
+    samples = [list(a.samples) for a in copies]
+    best: tuple[Arm, verdict.Verdict] | None = None
+    for a in replay:
+        if a.role not in ("candidate", "peer") or not usable(a) or not single(a):
+            continue
+        v = verdict.compare(samples, a.samples, margin=a.margin)
+        if v.faster and (best is None or (v.speedup or 0.0) > (best[1].speedup or 0.0)):
+            best = (a, v)
+    return best
 
 
 def _record(name: str, arm: Arm, v: verdict.Verdict, won: bool) -> dict[str, Any]:

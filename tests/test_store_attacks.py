@@ -117,6 +117,33 @@ def test_a_baseline_record_promoted_to_verified_is_caught(bundles: Path) -> None
     assert "store_export.unbacked_entry" in _checks(bundles)
 
 
+def test_a_single_config_record_is_remade_from_its_runs(bundles: Path) -> None:
+    """The tuner's single-config record (what vLLM's table gets where the winner is fused_act)
+    is audited like a decision: an inflated speedup, or one moved to another config, is caught."""
+    b, i = _with_own_entry(bundles, "imported")
+    export = _load(b / EXPORT)
+    assert export["entries"][i]["source"] == "tune-single"
+    export["entries"][i]["speedup"] *= 1.05
+    _save_and_remanifest(b, EXPORT, export)
+    assert "store_export.field_mismatch" in _checks(bundles)
+    export["entries"][i]["speedup"] /= 1.05
+    other = next(
+        e for e in export["entries"] if e["config_hash"] != export["entries"][i]["config_hash"]
+    )
+    export["entries"][i]["config"] = other["config"]
+    export["entries"][i]["config_hash"] = other["config_hash"]
+    _save_and_remanifest(b, EXPORT, export)
+    assert "store_export.unbacked_entry" in _checks(bundles)
+
+
+def test_an_imported_entry_of_another_source_is_refused(bundles: Path) -> None:
+    b, i = _with_own_entry(bundles, "imported")
+    export = _load(b / EXPORT)
+    export["entries"][i]["source"] = "vllm"
+    _save_and_remanifest(b, EXPORT, export)
+    assert "store_export.status_invalid" in _checks(bundles)
+
+
 def test_a_deleted_store_export_is_caught(bundles: Path) -> None:
     b = _uniform(bundles)
     (b / EXPORT).unlink()

@@ -61,15 +61,21 @@ def test_tune_writes_store_and_audited_bundle(db_url: str, tmp_path: Path) -> No
     # two routing sources: one bundle each, so that no comparison group mixes two traces
     assert len(rep.bundles) == 2
     verified_groups = exported = 0
+    singles: list[dict[str, Any]] = []
     for b in rep.bundles:
         result = audit_bundle(Path(b))
         assert not result.findings, result.findings
         summary = json.loads((Path(b) / "summary.json").read_text())
         verified_groups += summary["counts"]["verified_groups"]
         export = json.loads((Path(b) / "store_export.json").read_text())
-        exported += len(export["entries"])
+        exported += sum(e["status"] != "imported" for e in export["entries"])
+        singles += [e for e in export["entries"] if e["status"] == "imported"]
     # every verified entry won its replay comparison and each of its 3 held-out ones
     assert exported == len(rep.verified) + rep.baseline_keys
+    # beside each winner the tables cannot hold (here fused_act), the best FlagGems config
+    # faster than the baseline, audited with the bundle
+    assert singles and all(e["source"] == "tune-single" for e in singles)
+    assert all(KernelConfig.parse(e["config"]).single for e in singles)
     assert verified_groups >= 4 * len(rep.verified)
     assert all(v["speedup"] > 1.005 for v in rep.verified)
     with Store.open(db_url) as store:

@@ -22,9 +22,9 @@ from typing import Any, Protocol
 from mxdb import pointverdict
 from mxdb.audit.compare import TOL, Tol, same
 from mxdb.audit.findings import BundleResult, Finding, FindingSink
-from mxdb.configs import config_hash
+from mxdb.configs import KernelConfig, config_hash
 from mxdb.evidence.summary import family_of, group_key, run_passes
-from mxdb.models import DECIDED_STATUSES
+from mxdb.models import DECIDED_STATUSES, SINGLE_SOURCE
 
 
 class ExportSink(FindingSink, Protocol):
@@ -39,8 +39,9 @@ F = "store_export.json"
 #: Entry figures compared with their recomputation.
 FIGURES = ("speedup", "noise_band", "median_us", "baseline_us", "confidence")
 #: Statuses an exported tune entry may carry; ``rejected`` is a verified entry that a later
-#: trace of its key contradicted (never dispatched, so it needs no more than its decision).
-STATUSES = (*DECIDED_STATUSES, "rejected")
+#: trace of its key contradicted (never dispatched, so it needs no more than its decision);
+#: ``imported`` only for the tuner's single-config record (source ``tune-single``).
+STATUSES = (*DECIDED_STATUSES, "rejected", "imported")
 
 
 def _key(e: Mapping[str, Any]) -> tuple[Any, ...]:
@@ -81,14 +82,17 @@ def check_store_export(
                 e.get("fingerprint_hash"),
                 "exported entry carries another environment fingerprint",
             )
-        if e.get("status") not in STATUSES:
+        if e.get("status") not in STATUSES or (
+            e.get("status") == "imported" and e.get("source") != SINGLE_SOURCE
+        ):
             sink.add(
                 "store_export.status_invalid",
                 F,
                 f"entries[{i}].status",
                 " or ".join(STATUSES),
                 e.get("status"),
-                "a tuning bundle exports only verified, baseline, parity or rejected entries",
+                "a tuning bundle exports only verified, baseline, parity or rejected entries, "
+                f"and imported ones of source {SINGLE_SOURCE}",
             )
     if any(r.get("point") for r in runs.values()):
         _check_decisions(sink, entries, runs, tol)
@@ -113,6 +117,13 @@ def decisions(
     runs: Mapping[str, Mapping[str, Any]],
 ) -> list[tuple[Mapping[str, Any], pointverdict.PointDecision]]:
     """Every point's decision, recomputed from its runs, with the point's replay baseline run."""
+    return [(base, d) for base, d, _ in _decided(runs)]
+
+
+def _decided(
+    runs: Mapping[str, Mapping[str, Any]],
+) -> list[tuple[Mapping[str, Any], pointverdict.PointDecision, pointverdict.PointDecision | None]]:
+    """Each point's replay baseline run, decision and single-config record (or None)."""
     by_point: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
     for r in runs.values():
         if r.get("point"):
@@ -131,8 +142,37 @@ def decisions(
             None,
         )
         if base is not None and d.status != "none":
-            out.append((base, d))
+            out.append((base, d, _single(members, arms, d)))
     return out
+
+
+def _single(
+    members: Sequence[Mapping[str, Any]],
+    arms: Sequence[pointverdict.Arm],
+    d: pointverdict.PointDecision,
+) -> pointverdict.PointDecision | None:
+    """The point's single-config record as the tuner makes it (``pointverdict.best_single``)
+    beside a verified winner that is not one FlagGems config; None otherwise."""
+    by_id = {str(r["run_id"]): r for r in members}
+
+    def single(run: Mapping[str, Any]) -> bool:
+        try:
+            return KernelConfig.parse(run["config"]).single
+        except Exception:  # a config that does not parse is no table row
+            return False
+
+    winner = next((r for r in members if r.get("config_hash") == d.config_hash), None)
+    if d.status != "verified" or winner is None or single(winner):
+        return None
+    best = pointverdict.best_single(arms, lambda a: single(by_id[a.run_id]))
+    if best is None:
+        return None
+    arm, v = best
+    median = (by_id[arm.run_id].get("timing") or {}).get("median_us")
+    return pointverdict.PointDecision(
+        "verified", arm.config_hash, arm.run_id, v.speedup, v.low, v.high, v.noise_band,
+        median, d.baseline_us, None,
+    )  # fmt: skip
 
 
 #: The exported statuses a decision allows: an entry may since have been rejected (contradicted
@@ -141,6 +181,7 @@ ALLOWED = {
     "verified": ("verified", "rejected"),
     "baseline": ("baseline", "rejected"),
     "parity": ("parity", "rejected"),
+    "imported": ("imported",),
 }
 
 
@@ -151,13 +192,20 @@ def _check_decisions(
     tol: Tol,
 ) -> None:
     made = []
-    for base, d in decisions(runs):
+    singles = []
+    for base, d, single in _decided(runs):
         s = base["shape"]
         key = (base["op"], s["dtype"], family_of(s), s["tokens"], base["routing_class"])
         made.append((key, base.get("point"), d))
         sink.backing.append(
             (str(d.evidence), str(d.config_hash), d.status, d.speedup, d.noise_band, d.confidence)
         )
+        if single is not None:
+            singles.append((key, single))
+            sink.backing.append(
+                (str(single.evidence), str(single.config_hash), "imported", single.speedup,
+                 single.noise_band, None)
+            )  # fmt: skip
 
     def backs(key: tuple[Any, ...], d: pointverdict.PointDecision, e: Mapping[str, Any]) -> bool:
         return (
@@ -167,6 +215,24 @@ def _check_decisions(
         )
 
     for i, e in enumerate(entries):
+        if e.get("status") == "imported":
+            # a single-config record: one the tuner's rule makes again from its point's runs
+            found = next(
+                (
+                    d
+                    for k, d in singles
+                    if _key(e) == k
+                    and e.get("config_hash") == d.config_hash
+                    and e.get("evidence") == d.evidence
+                ),
+                None,
+            )
+            if found is None:
+                sink.deferred.append((F, f"entries[{i}]", dict(e)))
+            else:
+                _compare_figures(sink, i, e, found, tol)
+                sink.backed.append(dict(e))
+            continue
         found = next(
             (d for k, _, d in made if backs(k, d, e) and d.evidence == e.get("evidence")), None
         )

@@ -254,6 +254,13 @@ def import_mxdb_cmd(path: Path, db: str | None, as_json: bool) -> None:
     help="mxdb: entry statuses to export (repeatable).",
 )
 @click.option(
+    "--singles/--no-singles",
+    default=True,
+    show_default=True,
+    help="mxdb: also export the tuner's single-config records (imported, source tune-single), "
+    "which the vllm and flaggems exports write where a verified entry is not one FlagGems config.",
+)
+@click.option(
     "--imported",
     is_flag=True,
     help="vllm: write the imported vLLM tables back as they were read (every device).",
@@ -279,6 +286,7 @@ def export_cmd(
     dtype: str,
     routing_class: str,
     statuses: tuple[str, ...],
+    singles: bool,
     imported: bool,
     merge: Path | None,
     install: bool,
@@ -306,6 +314,7 @@ def export_cmd(
         fp_hash = _fingerprint_hash(fingerprint)
     opts = ExportOptions(
         statuses=statuses,
+        singles=singles,
         dtype=dtype,
         routing_class=routing_class,
         fingerprint_hash=fp_hash,

@@ -22,7 +22,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from mxdb.errors import InvalidInputError, MxdbError, UsageError
 from mxdb.fileio import atomic_write_json, atomic_write_text
 from mxdb.interop import flaggems, tables, vllm
-from mxdb.models import DECIDED_STATUSES, Entry, Fingerprint, utcnow
+from mxdb.models import DECIDED_STATUSES, SINGLE_SOURCE, Entry, Fingerprint, utcnow
 from mxdb.version import __version__
 
 if TYPE_CHECKING:
@@ -61,6 +61,9 @@ class ExportOptions:
     """
 
     statuses: tuple[str, ...] = DECIDED_STATUSES
+    #: mxdb: also the tuner's single-config records (status imported, source tune-single),
+    #: which the table exports write where a verified entry is not one FlagGems config
+    singles: bool = True
     dtype: str = "bf16"
     routing_class: str = "uniform"
     #: vllm/flaggems: the fingerprint whose rows to write (required for those formats)
@@ -103,9 +106,15 @@ class ExportReport:
         }
 
 
-def build_export(store: Store, statuses: Sequence[str] | None = None) -> StoreExport:
-    """The export document of every entry with one of ``statuses`` (all entries if None)."""
+def build_export(
+    store: Store, statuses: Sequence[str] | None = None, *, singles: bool = False
+) -> StoreExport:
+    """The export document of every entry with one of ``statuses`` (all entries if None), and
+    with ``singles`` the tuner's single-config records."""
     entries = store.entries(status=list(statuses) if statuses else None)
+    if singles and statuses and "imported" not in statuses:
+        extra = store.entries(status="imported", source=SINGLE_SOURCE)
+        entries = sorted([*entries, *extra], key=lambda e: e.id or 0)
     used = {e.fingerprint_hash for e in entries if e.fingerprint_hash}
     fps = {h: fp for h, fp in store.fingerprints().items() if h in used}
     return StoreExport(fingerprints=fps, entries=entries)
@@ -250,7 +259,7 @@ def export_store(
     out_path = Path(out) if out is not None else None
     if fmt == "mxdb":
         assert out_path is not None
-        doc = build_export(store, opts.statuses)
+        doc = build_export(store, opts.statuses, singles=opts.singles)
         target = out_path / "mxdb-export.json" if out_path.is_dir() else out_path
         atomic_write_text(target, doc.to_json() + "\n")
         report.files.append(str(target))

@@ -30,10 +30,9 @@ from typing import TYPE_CHECKING, Any
 from mxdb.configs import GemmConfig, KernelConfig
 from mxdb.errors import ConfigError, UsageError
 from mxdb.interop import vllm
-from mxdb.models import DECIDED_STATUSES, Entry, Fingerprint
+from mxdb.models import DECIDED_STATUSES, SINGLE_SOURCE, Entry, Fingerprint
 from mxdb.resources import flaggems_default_config
 from mxdb.shapes import MOE_OP, MoEShape, canonical_dtype
-from mxdb.tune.verify import SINGLE_SOURCE
 
 if TYPE_CHECKING:
     from mxdb.store import Store

@@ -31,7 +31,7 @@ from mxdb import pointverdict, verdict
 from mxdb.configs import KernelConfig
 from mxdb.errors import MxdbError, UsageError
 from mxdb.fingerprint import environment_data
-from mxdb.models import DECIDED_STATUSES, Entry, Fingerprint, Measurement
+from mxdb.models import DECIDED_STATUSES, SINGLE_SOURCE, Entry, Fingerprint, Measurement
 from mxdb.shapes import MoEShape
 from mxdb.store import Claim, Store
 from mxdb.tune.backend import Backend
@@ -692,9 +692,9 @@ def _job_measurements(store: Store, job: str, shape: MoEShape, key: str) -> list
 
 
 def _job_entries(store: Store, job: str, fingerprint_hash: str) -> list[Entry]:
-    """The entries ``job`` decided (the store's job column): a row a later job superseded
-    belongs to that job."""
-    return store.entries(
+    """The entries ``job`` decided (the store's job column; a row a later job superseded
+    belongs to that job), with its single-config records."""
+    decided = store.entries(
         fingerprint_hash=fingerprint_hash,
         source="tune",
         # rejected ones too: a later trace of the key contradicted them, but this job's own
@@ -702,6 +702,11 @@ def _job_entries(store: Store, job: str, fingerprint_hash: str) -> list[Entry]:
         status=[*DECIDED_STATUSES, "rejected"],
         job=job,
     )
+    # and the single-config records beside its winners that tables cannot express
+    singles = store.entries(
+        fingerprint_hash=fingerprint_hash, source=SINGLE_SOURCE, status="imported", job=job
+    )
+    return sorted([*decided, *singles], key=lambda e: e.id or 0)
 
 
 _METHOD = {"graph": "cuda_graph_replay", "eager": "eager"}

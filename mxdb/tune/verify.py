@@ -12,9 +12,9 @@ The audit re-makes the same decision from a bundle's raw samples.
 
 from __future__ import annotations
 
-from mxdb import pointverdict, verdict
+from mxdb import pointverdict
 from mxdb.configs import KernelConfig
-from mxdb.models import Entry, EntryStatus, Measurement
+from mxdb.models import SINGLE_SOURCE, Entry, EntryStatus
 from mxdb.pointverdict import PointDecision
 from mxdb.tune.search import SearchResult
 
@@ -62,10 +62,6 @@ def point_entry(
     )
 
 
-#: The source of a tuner's best single-config record (see ``single_record``).
-SINGLE_SOURCE = "tune-single"
-
-
 def single_record(
     result: SearchResult,
     decision: PointDecision,
@@ -88,27 +84,16 @@ def single_record(
         return None
     if result.winner.single:
         return None  # the verified entry is itself a single config
-    arms = {
-        m.run_id: (m, pointverdict.arm_from_measurement(m))
-        for m in result.measurements
-        if m.comparison == "replay"
-    }
-    _, copies = pointverdict.copies_of([a for _, a in arms.values()])
-    if len(copies) < 2:
-        return None
-    samples = [list(a.samples) for a in copies]
-    best: tuple[verdict.Verdict, Measurement] | None = None
-    for m, a in arms.values():
-        if a.role not in ("candidate", "peer") or not pointverdict.usable(a):
-            continue
-        if not KernelConfig.parse(m.config).single:
-            continue
-        v = verdict.compare(samples, a.samples, margin=a.margin)
-        if v.faster and (best is None or (v.speedup or 0.0) > (best[0].speedup or 0.0)):
-            best = (v, m)
+    replay = [m for m in result.measurements if m.comparison == "replay"]
+    by_id = {m.run_id: m for m in replay}
+    best = pointverdict.best_single(
+        [pointverdict.arm_from_measurement(m) for m in replay],
+        lambda a: KernelConfig.parse(by_id[a.run_id].config).single,
+    )
     if best is None:
         return None
-    v, m = best
+    arm, v = best
+    m = by_id[arm.run_id]
     single = PointDecision(
         "verified", m.config_hash, m.run_id, v.speedup, v.low, v.high, v.noise_band,
         m.median_us, decision.baseline_us, None,
