@@ -33,17 +33,9 @@ from mxdb.version import __version__
 #: later tunes), not the code a stored config runs, so it must not make entries stale.
 FINGERPRINT_DATA: tuple[str, ...] = ("flaggems_moe_table",)
 
-#: Components the GPU layer may pass to ``collect(live=...)``.
-LIVE_COMPONENTS: tuple[str, ...] = (
-    "vendor",
-    "device_name",
-    "arch",
-    "sm_count",
-    "smem_per_block",
-    "warp_size",
-    "driver",
-    "toolkit",
-)
+#: Components the GPU layer may pass to ``collect(live=...)``: the device's own, from
+#: ``vendor`` to ``toolkit`` (the software stack follows them in the component order).
+LIVE_COMPONENTS: tuple[str, ...] = FINGERPRINT_COMPONENTS[: FINGERPRINT_COMPONENTS.index("torch")]
 
 #: Distributions that provide Triton, in the order they are looked for.  MetaX
 #: ships its Triton as mcTriton; FlagTree is FlagOpen's multi-backend Triton.  A
