@@ -222,6 +222,9 @@ ENTRY_EDITS = st.fixed_dictionaries(
         "block_m": st.integers(-2, 1025),
         "align_block": st.integers(-2, 1025),
         "num_warps": st.integers(-1, 64),
+        "impl": st.one_of(
+            st.sampled_from(["flaggems", "fused_act", "", "FUSED_ACT", "cutlass"]), st.integers()
+        ),
     },
 )
 
@@ -248,6 +251,8 @@ def test_fuzzed_imports_never_lead_to_a_dispatch_that_raises(
                 e["config"]["gemm1"][k] = ed[k]
         if "align_block" in ed:
             e["config"]["align_block"] = ed["align_block"]
+        if "impl" in ed:
+            e["config"]["impl"] = ed["impl"]
     path = tmp / "export.json"
     path.write_text(json.dumps(doc))
     store = Store.open(f"sqlite:///{tmp / 's.sqlite'}")
