@@ -332,21 +332,10 @@ def check(
     )
 
 
-def check_config(
-    config: Any,
-    *,
-    profile: str,
-    experts: int,
-    hidden: int,
-    intermediate: int,
-    topk: int,
-    tokens: int,
-    dtype: str,
-) -> CheckResult:
-    """``mxdb check-config``: resolve the profile, build the shape, check the config."""
+def check_config(config: Any, shape: MoEShape, *, profile: str) -> CheckResult:
+    """``mxdb check-config``: resolve the profile by name, check the config at ``shape``."""
     from mxdb.profiles import resolve_profile
 
-    shape = MoEShape(experts, hidden, intermediate, topk, tokens, dtype)
     return check(config, shape, resolve_profile(profile))
 
 

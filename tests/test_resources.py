@@ -147,7 +147,7 @@ def test_vllm_grid() -> None:
 
 def test_check_accepts_split_configs() -> None:
     kc = KernelConfig(gemm1=ANCHOR, gemm2=_gemm(16, 32, 64, 4, 2), align_block=16)
-    result = check_config(kc.model_dump(), profile="c500", dtype="bf16", **M0)
+    result = check_config(kc.model_dump(), MoEShape(**M0, dtype="bf16"), profile="c500")
     assert result.fits and result.gemm2.config == "M16/N32/K64/G1/w4/s2"
     assert result.to_dict()["shape"]["experts"] == 8
 

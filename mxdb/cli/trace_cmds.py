@@ -142,7 +142,7 @@ def check_config_cmd(
     """
     from mxdb.resources import check_config
 
-    result = check_config(_config_text(config), profile=profile, dtype=shape.dtype, **shape.dims())
+    result = check_config(_config_text(config), shape, profile=profile)
     if as_json:
         emit_json(result.to_dict())
     else:
