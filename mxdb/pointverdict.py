@@ -149,14 +149,14 @@ def usable(a: Arm) -> bool:
     return a.status == "ok" and bool(a.samples) and a.correct is True
 
 
-def best_single(
-    arms: Sequence[Arm], single: Callable[[Arm], bool]
-) -> tuple[Arm, verdict.Verdict] | None:
-    """The fastest arm of a point's replayed comparison that ``single`` accepts (one FlagGems
-    config for both GEMMs: what vLLM's and FlagGems' tables can hold) and that is faster than
-    FlagGems' choice by the verdict rule; None when there is none.  The tuner keeps it beside a
-    winner those tables cannot express (``mxdb.tune.verify.single_record``) and the audit
-    re-makes it from the runs."""
+def single_decision(
+    arms: Sequence[Arm], single: Callable[[Arm], bool], baseline_us: float | None
+) -> PointDecision | None:
+    """The single-config record of a point: the fastest arm of its replayed comparison that
+    ``single`` accepts (one FlagGems config for both GEMMs: what vLLM's and FlagGems' tables
+    can hold) and that is faster than FlagGems' choice by the verdict rule, with its figures;
+    None when there is none.  The tuner keeps it beside a winner those tables cannot express
+    (``mxdb.tune.verify.single_record``) and the audit makes it again from the runs."""
     replay = [a for a in arms if a.comparison == "replay"]
     _, copies = copies_of(replay)
     if len(copies) < 2:
@@ -169,7 +169,13 @@ def best_single(
         v = verdict.compare(samples, a.samples, margin=a.margin)
         if v.faster and (best is None or (v.speedup or 0.0) > (best[1].speedup or 0.0)):
             best = (a, v)
-    return best
+    if best is None:
+        return None
+    arm, v = best
+    return PointDecision(
+        "verified", arm.config_hash, arm.run_id, v.speedup, v.low, v.high, v.noise_band,
+        verdict.median(arm.samples), baseline_us, None,
+    )  # fmt: skip
 
 
 def _record(name: str, arm: Arm, v: verdict.Verdict, won: bool) -> dict[str, Any]:

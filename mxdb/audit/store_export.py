@@ -23,6 +23,7 @@ from mxdb import pointverdict
 from mxdb.audit.compare import TOL, Tol, same
 from mxdb.audit.findings import BundleResult, Finding, FindingSink
 from mxdb.configs import KernelConfig, config_hash
+from mxdb.errors import ConfigError
 from mxdb.evidence.summary import family_of, group_key, run_passes
 from mxdb.models import DECIDED_STATUSES, SINGLE_SOURCE
 
@@ -151,28 +152,20 @@ def _single(
     arms: Sequence[pointverdict.Arm],
     d: pointverdict.PointDecision,
 ) -> pointverdict.PointDecision | None:
-    """The point's single-config record as the tuner makes it (``pointverdict.best_single``)
+    """The point's single-config record as the tuner makes it (``pointverdict.single_decision``)
     beside a verified winner that is not one FlagGems config; None otherwise."""
     by_id = {str(r["run_id"]): r for r in members}
 
     def single(run: Mapping[str, Any]) -> bool:
         try:
             return KernelConfig.parse(run["config"]).single
-        except Exception:  # a config that does not parse is no table row
+        except (ConfigError, KeyError):  # a config that does not parse is no table row
             return False
 
     winner = next((r for r in members if r.get("config_hash") == d.config_hash), None)
     if d.status != "verified" or winner is None or single(winner):
         return None
-    best = pointverdict.best_single(arms, lambda a: single(by_id[a.run_id]))
-    if best is None:
-        return None
-    arm, v = best
-    median = (by_id[arm.run_id].get("timing") or {}).get("median_us")
-    return pointverdict.PointDecision(
-        "verified", arm.config_hash, arm.run_id, v.speedup, v.low, v.high, v.noise_band,
-        median, d.baseline_us, None,
-    )  # fmt: skip
+    return pointverdict.single_decision(arms, lambda a: single(by_id[a.run_id]), d.baseline_us)
 
 
 #: The exported statuses a decision allows: an entry may since have been rejected (contradicted

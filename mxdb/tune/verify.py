@@ -72,9 +72,9 @@ def single_record(
 ) -> Entry | None:
     """The best *single* config measured at a point whose verified winner is split.
 
-    vLLM's and FlagGems' tables hold one config for both GEMMs, aligned to its BLOCK_SIZE_M;
-    a split winner (two GEMM configs, another alignment block or another implementation) cannot be written there, and
-    neither half of it was measured alone.  The fastest uniform config of the point's replay
+    vLLM's and FlagGems' tables hold one config of FlagGems' kernels for both GEMMs, aligned
+    to its BLOCK_SIZE_M; a split winner (two GEMM configs, another alignment block or another
+    implementation) cannot be written there, and neither half of it was measured alone.  The fastest uniform config of the point's replay
     comparison that is itself faster than FlagGems' choice (``mxdb.verdict``) is kept as an
     entry of status ``imported`` and source ``tune-single``: never dispatched, read by the
     table exports (``mxdb.interop.tables``).  None otherwise: the export then writes the
@@ -84,20 +84,15 @@ def single_record(
         return None
     if result.winner.single:
         return None  # the verified entry is itself a single config
-    replay = [m for m in result.measurements if m.comparison == "replay"]
-    by_id = {m.run_id: m for m in replay}
-    best = pointverdict.best_single(
-        [pointverdict.arm_from_measurement(m) for m in replay],
-        lambda a: KernelConfig.parse(by_id[a.run_id].config).single,
+    replay = {m.run_id: m for m in result.measurements if m.comparison == "replay"}
+    single = pointverdict.single_decision(
+        [pointverdict.arm_from_measurement(m) for m in replay.values()],
+        lambda a: KernelConfig.parse(replay[a.run_id].config).single,
+        decision.baseline_us,
     )
-    if best is None:
+    if single is None:
         return None
-    arm, v = best
-    m = by_id[arm.run_id]
-    single = PointDecision(
-        "verified", m.config_hash, m.run_id, v.speedup, v.low, v.high, v.noise_band,
-        m.median_us, decision.baseline_us, None,
-    )  # fmt: skip
+    m = replay[str(single.evidence)]
     entry = entry_for(
         result,
         KernelConfig.parse(m.config),
