@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from mxdb.errors import EvidenceError, NotFoundError
+from mxdb.evidence.cells import cell
 from mxdb.evidence.files import atomic_write, dumps
 from mxdb.evidence.models import SCHEMA_VERSION
 from mxdb.evidence.summary import build_summary
@@ -55,10 +56,6 @@ def build_report(summary: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
-
-
 def render_markdown(report: Mapping[str, Any], *, failure_ids: bool = False) -> str:
     """The report as Markdown: a table per shape, every failure listed.
 
@@ -73,8 +70,8 @@ def render_markdown(report: Mapping[str, Any], *, failure_ids: bool = False) -> 
         f"{c['control_pairs']} control pairs (A vs A, never counted in a speedup)."
     )
     out.append(
-        f"Geometric mean speedup: {_fmt(report['geomean_speedup'], '.4f')} (all groups with a "
-        f"speedup), {_fmt(report['geomean_verified_speedup'], '.4f')} (verified groups)."
+        f"Geometric mean speedup: {cell(report['geomean_speedup'], '.4f')} (all groups with a "
+        f"speedup), {cell(report['geomean_verified_speedup'], '.4f')} (verified groups)."
     )
     out.append("")
     out.append(
@@ -100,10 +97,10 @@ def render_markdown(report: Mapping[str, Any], *, failure_ids: bool = False) -> 
         out.append("|---:|---|---:|---:|---:|---:|---|---:|---|")
         for r in sorted(rows, key=lambda r: (r["tokens"], r["routing_class"])):
             out.append(
-                f"| {r['tokens']} | {r['routing_class']} | {_fmt(r['baseline_median_us'], '.3f')} "
-                f"| {_fmt(r['best_median_us'], '.3f')} | {_fmt(r['speedup'], '.4f')} "
-                f"| {_fmt(r['noise_band'], '.4f')} | {'yes' if r['verified'] else 'no'} "
-                f"| {_fmt(r['floor_fraction'], '.3f')} | {failures(r)} |"
+                f"| {r['tokens']} | {r['routing_class']} | {cell(r['baseline_median_us'], '.3f')} "
+                f"| {cell(r['best_median_us'], '.3f')} | {cell(r['speedup'], '.4f')} "
+                f"| {cell(r['noise_band'], '.4f')} | {'yes' if r['verified'] else 'no'} "
+                f"| {cell(r['floor_fraction'], '.3f')} | {failures(r)} |"
             )
     out += ["", "## Failures", ""]
     if not report["failures"]:

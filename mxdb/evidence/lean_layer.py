@@ -30,6 +30,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from mxdb.evidence import stats
+from mxdb.evidence.cells import cell
 from mxdb.evidence.models import Correctness, ShapeDoc, _Doc
 from mxdb.evidence.peers import (
     DECODE_MAX_TOKENS,
@@ -274,20 +275,17 @@ def build_lean_layer(
 def render(doc: Mapping[str, Any]) -> str:
     """``report/lean_layer.md``: a view of ``lean_layer.json`` (the audit checks the JSON)."""
 
-    def x(v: Any) -> str:
-        return "-" if v is None else f"{v:.3f}"
-
     f = doc["figures"]
     lines = [
         "# The lean MoE layer: eager against graph replay and FlagGems' fused_experts_impl",
         "",
         f"- decode (M <= {doc['decode_max_tokens']}, {f['n_decode_points']} points): eager/graph "
-        f"of MoELayer {x(f['decode_geomean_eager_over_graph_layer'])} (geomean, max "
-        f"{x(f['decode_max_eager_over_graph_layer'])}); eager MoELayer "
-        f"{x(f['decode_geomean_eager_speedup_layer_over_fused_experts_impl'])}x faster than "
+        f"of MoELayer {cell(f['decode_geomean_eager_over_graph_layer'])} (geomean, max "
+        f"{cell(f['decode_max_eager_over_graph_layer'])}); eager MoELayer "
+        f"{cell(f['decode_geomean_eager_speedup_layer_over_fused_experts_impl'])}x faster than "
         f"fused_experts_impl; per-call synced "
-        f"{x(f['decode_geomean_synced_speedup_layer_over_fused_experts_impl'])}x; host time "
-        f"{x(f['decode_geomean_host_speedup_layer_over_fused_experts_impl'])}x",
+        f"{cell(f['decode_geomean_synced_speedup_layer_over_fused_experts_impl'])}x; host time "
+        f"{cell(f['decode_geomean_host_speedup_layer_over_fused_experts_impl'])}x",
         "",
         "| family | M | graph us | eager us | eager/graph | fei eager us | fei/layer eager | "
         "synced fei/layer | host layer us | host fei us |",
@@ -296,11 +294,11 @@ def render(doc: Mapping[str, Any]) -> str:
     for p in doc["points"]:
         m, h = p["median_us"], p["host_us"]
         lines.append(
-            f"| {p['family']} | {p['tokens']} | {x(m['graph_layer'])} | {x(m['eager_layer'])} | "
-            f"{x(p['eager_over_graph_layer'])} | {x(m['eager_fused_experts_impl'])} | "
-            f"{x(p['eager_speedup_layer_over_fused_experts_impl'])} | "
-            f"{x(p['synced_speedup_layer_over_fused_experts_impl'])} | {x(h['layer'])} | "
-            f"{x(h['fused_experts_impl'])} |"
+            f"| {p['family']} | {p['tokens']} | {cell(m['graph_layer'])} | {cell(m['eager_layer'])} | "
+            f"{cell(p['eager_over_graph_layer'])} | {cell(m['eager_fused_experts_impl'])} | "
+            f"{cell(p['eager_speedup_layer_over_fused_experts_impl'])} | "
+            f"{cell(p['synced_speedup_layer_over_fused_experts_impl'])} | {cell(h['layer'])} | "
+            f"{cell(h['fused_experts_impl'])} |"
         )
     lines += ["", *targets_markdown(doc["targets"])]
     return "\n".join(lines) + "\n"

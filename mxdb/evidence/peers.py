@@ -109,6 +109,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from mxdb import verdict
 from mxdb.evidence import stats
+from mxdb.evidence.cells import cell
 from mxdb.evidence.models import _FROZEN, _Doc
 from mxdb.shapes import memory_floor_bytes
 
@@ -1277,21 +1278,18 @@ def render(doc: Mapping[str, Any]) -> str:
     """``report/peers.md``: the figures of ``peers.json`` (a view; the audit checks the JSON)."""
     f = {**doc["figures"], "points": doc["points"]}
 
-    def x(v: Any) -> str:
-        return "-" if v is None else f"{v:.3f}"
-
     lines = [
         "# FlagGems (a), vLLM table (b), mxdb dispatch (c), routing-oblivious mxdb (d) on the H200",
         "",
-        f"- GPU-time geomean speedup (c)/(a): {x(f['geomean_speedup_c_over_a'])}; "
-        f"(c)/(b): {x(f['geomean_speedup_c_over_b'])}",
+        f"- GPU-time geomean speedup (c)/(a): {cell(f['geomean_speedup_c_over_a'])}; "
+        f"(c)/(b): {cell(f['geomean_speedup_c_over_b'])}",
         f"- points where (c) is slower than (a) / (b) beyond the control pair's noise: "
         f"{f['points_c_slower_than_a']} / {f['points_c_slower_than_b']} of {f['n_points']}",
-        f"- decode (M <= 16): (c) at {x(f['decode_geomean_floor_fraction_c'])} of the floor "
-        f"(geomean); eager layer {x(f['decode_geomean_eager_speedup'])}x faster than "
-        f"fused_experts_impl; eager/graph {x(f['decode_geomean_eager_over_graph'])}",
+        f"- decode (M <= 16): (c) at {cell(f['decode_geomean_floor_fraction_c'])} of the floor "
+        f"(geomean); eager layer {cell(f['decode_geomean_eager_speedup'])}x faster than "
+        f"fused_experts_impl; eager/graph {cell(f['decode_geomean_eager_over_graph'])}",
         f"- points where routing changes mxdb's dispatch: {f['points_routing_changes_dispatch']}; "
-        f"geomean (d)/(c) there: {x(f['geomean_c_over_d_where_changed'])}",
+        f"geomean (d)/(c) there: {cell(f['geomean_c_over_d_where_changed'])}",
         "",
         "| family | M | routing | a us | b us | c us | c/a | c/b | floor frac c | "
         "floor frac best | hot share | noise | dispatch (c) | eager fg/layer | eager/graph |",
@@ -1301,13 +1299,13 @@ def render(doc: Mapping[str, Any]) -> str:
         m = r["median_us"]
         hs = r.get("hot_share")
         lines.append(
-            f"| {r['family']} | {r['tokens']} | {r['routing']} | {x(m.get('a'))} | "
-            f"{x(m.get('b'))} | {x(m.get('c'))} | {x(r.get('speedup_c_over_a'))} | "
-            f"{x(r.get('speedup_c_over_b'))} | {x(r.get('floor_fraction_c'))} | "
-            f"{x(r.get('floor_fraction_best'))} | {'-' if hs is None else f'{hs:.2f}'} | "
-            f"{x(r.get('noise_band'))} | {r.get('dispatch_reason_c') or '-'} | "
-            f"{x(r.get('eager_speedup_layer_over_fused_experts_impl'))} | "
-            f"{x(r.get('eager_over_graph_layer'))} |"
+            f"| {r['family']} | {r['tokens']} | {r['routing']} | {cell(m.get('a'))} | "
+            f"{cell(m.get('b'))} | {cell(m.get('c'))} | {cell(r.get('speedup_c_over_a'))} | "
+            f"{cell(r.get('speedup_c_over_b'))} | {cell(r.get('floor_fraction_c'))} | "
+            f"{cell(r.get('floor_fraction_best'))} | {'-' if hs is None else f'{hs:.2f}'} | "
+            f"{cell(r.get('noise_band'))} | {r.get('dispatch_reason_c') or '-'} | "
+            f"{cell(r.get('eager_speedup_layer_over_fused_experts_impl'))} | "
+            f"{cell(r.get('eager_over_graph_layer'))} |"
         )
     if f.get("n_instances") is not None:  # schema 1.2: the instances behind each point
         lines[4:4] = [
@@ -1328,8 +1326,8 @@ def render(doc: Mapping[str, Any]) -> str:
                 lines.append(
                     f"| {r['family']} | {r['tokens']} | {r['routing']} | {i['instance']} | "
                     f"{i['routing_class']} | {i.get('dispatch_reason_c') or '-'} | "
-                    f"{x(i['speedup_c_over_a'])} | {i['outcome_c_vs_a']} | "
-                    f"{x(i['speedup_c_over_b'])} | {i['outcome_c_vs_b']} |"
+                    f"{cell(i['speedup_c_over_a'])} | {i['outcome_c_vs_a']} | "
+                    f"{cell(i['speedup_c_over_b'])} | {i['outcome_c_vs_b']} |"
                 )
     lines += ["", *targets_markdown(doc["targets"]), "", *explanations_markdown(doc)]
     return "\n".join(lines).rstrip("\n") + "\n"

@@ -50,6 +50,7 @@ from pydantic import Field, ValidationError
 from mxdb import verdict
 from mxdb.errors import EvidenceError
 from mxdb.evidence import stats
+from mxdb.evidence.cells import cell
 from mxdb.evidence.models import _HEX16, _Doc
 from mxdb.evidence.peers import Target, TargetSpec, build_targets, targets_markdown
 from mxdb.models import Fingerprint
@@ -875,14 +876,6 @@ def from_raw(
 # -- the report -----------------------------------------------------------------------------
 
 
-def _x(v: Any, fmt: str = ".3f") -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float) and not math.isfinite(v):
-        return str(v)
-    return format(v, fmt)
-
-
 def _kv(d: Mapping[str, Any] | None) -> str:
     """A mapping as ``k v, ...`` in key order (the report does not depend on key order)."""
     if d is None:
@@ -912,8 +905,8 @@ def render_report(doc: Mapping[str, Any]) -> str:
         f"- points: {f['n_points']} ({f['n_small_points']} at M <= {small}); paths: "
         f"{_kv(f['points_by_path'])}; hooked output equal to stock's at {f['points_equal_to_stock']}",
         f"- geomean speedup at M <= {small} (verdict's paired speedup): "
-        f"{_x(f['small_geomean_speedup'])}x; by medians (the benchmark's printout): "
-        f"{_x(f['small_geomean_median_ratio'])}x",
+        f"{cell(f['small_geomean_speedup'])}x; by medians (the benchmark's printout): "
+        f"{cell(f['small_geomean_median_ratio'])}x",
         f"- verdicts (mxdb.verdict.compare, {hk['setup']['rounds']} paired rounds): faster "
         f"{f['points_faster']}, same {f['points_same']}, slower {f['points_slower']}"
         + (f" ({', '.join(f['slower_points'])})" if f["slower_points"] else ""),
@@ -935,12 +928,12 @@ def render_report(doc: Mapping[str, Any]) -> str:
         m = p["median_us"]
         lines.append(
             f"| {p['family']} | {p['tokens']} | {p['routing']} | {p['routing_class']} | "
-            f"{p['path']} | {p['decision']['entry_id'] or '-'} | {_x(m['stock'], '.1f')} | "
-            f"{_x(m['stock2'], '.1f')} | {_x(m['hooked'], '.1f')} | {_x(p['speedup'])} "
-            f"[{_x(p['speedup_low'])}, {_x(p['speedup_high'])}] | {_x(p['noise_band'], '.4f')} | "
-            f"{p['outcome']} | {_x(p['median_ratio'])} | "
-            f"{_x(p['stock_median_us_after_hooked'], '.0f')} / "
-            f"{_x(p['stock_median_us_otherwise'], '.0f')} |"
+            f"{p['path']} | {p['decision']['entry_id'] or '-'} | {cell(m['stock'], '.1f')} | "
+            f"{cell(m['stock2'], '.1f')} | {cell(m['hooked'], '.1f')} | {cell(p['speedup'])} "
+            f"[{cell(p['speedup_low'])}, {cell(p['speedup_high'])}] | {cell(p['noise_band'], '.4f')} | "
+            f"{p['outcome']} | {cell(p['median_ratio'])} | "
+            f"{cell(p['stock_median_us_after_hooked'], '.0f')} / "
+            f"{cell(p['stock_median_us_otherwise'], '.0f')} |"
         )
     ladder = g["ladder_tokens_per_s"]
     lines += [
@@ -951,11 +944,11 @@ def render_report(doc: Mapping[str, Any]) -> str:
         f"class {hl['setup']['routing_class']}; injected: entry "
         f"{hl['setup']['target'].get('entry_id')} x{hl['setup']['factor']} on layers "
         f"{hl['setup']['slow_layers']}",
-        f"- tokens/s: clean {_x(g['clean_tokens_per_s'], '.0f')}; injected without healing "
-        f"{_x(g['static_injected_tokens_per_s'], '.0f')} ({_x(g['static_over_clean'])} of "
+        f"- tokens/s: clean {cell(g['clean_tokens_per_s'], '.0f')}; injected without healing "
+        f"{cell(g['static_injected_tokens_per_s'], '.0f')} ({cell(g['static_over_clean'])} of "
         f"clean); injected with healing, healed (last {hl['setup']['tail_chunks']} chunks) "
-        f"{_x(g['healed_tokens_per_s'], '.0f')} ({_x(g['healed_over_clean'])} of clean, "
-        f"{_x(g['healed_over_static'])}x static)",
+        f"{cell(g['healed_tokens_per_s'], '.0f')} ({cell(g['healed_over_clean'])} of clean, "
+        f"{cell(g['healed_over_static'])}x static)",
         f"- transitions: {_kv(g['transitions_by_kind'])}; active candidate at the end: "
         f"{g['final_active']}; injected chunks below half of clean: {g['slow_chunks']} of "
         f"{len(hl['samples']['healing_injected'])}",
@@ -966,15 +959,15 @@ def render_report(doc: Mapping[str, Any]) -> str:
     ]
     for k in hl["setup"]["ladder_order"]:
         lines.append(
-            f"| {k} | {_x(ladder.get(k), '.0f')} | {_x(g['ladder_overhead'].get(k), '+.4f')} | "
-            f"{_x(g['ladder_paired_overhead'].get(k), '+.4f')} | "
+            f"| {k} | {cell(ladder.get(k), '.0f')} | {cell(g['ladder_overhead'].get(k), '+.4f')} | "
+            f"{cell(g['ladder_paired_overhead'].get(k), '+.4f')} | "
             f"{g['ladder_healing_samples_in_window'].get(k)} | "
             f"{g['ladder_monitor_copies_in_window'].get(k)} |"
         )
     lines += [
         "",
-        f"- off rung's run-to-run spread: {_x(g['ladder_off_spread'], '.4f')}; overhead at 4096 "
-        f"extrapolated from the 64 rung: {_x(g['ladder_overhead_4096_extrapolated_from_64'], '.5f')}",
+        f"- off rung's run-to-run spread: {cell(g['ladder_off_spread'], '.4f')}; overhead at 4096 "
+        f"extrapolated from the 64 rung: {cell(g['ladder_overhead_4096_extrapolated_from_64'], '.5f')}",
         "",
         "## Targets",
         "",

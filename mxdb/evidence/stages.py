@@ -35,6 +35,7 @@ from pydantic import Field
 
 from mxdb import routing_gen
 from mxdb.evidence import stats
+from mxdb.evidence.cells import cell
 from mxdb.evidence.models import ShapeDoc, _Doc
 from mxdb.evidence.peers import DECODE_MAX_TOKENS
 from mxdb.shapes import memory_floor_bytes
@@ -214,9 +215,6 @@ def build_stages(
 def render(doc: Mapping[str, Any]) -> str:
     """``report/stages.md``: a view of ``stages.json`` (the audit checks the JSON)."""
 
-    def x(v: Any, f: str = ".3f") -> str:
-        return "-" if v is None else format(v, f)
-
     f = doc["figures"]
     bw = doc["bandwidth"]
     lines = [
@@ -234,9 +232,9 @@ def render(doc: Mapping[str, Any]) -> str:
     ]
     for g in ("decode_uniform", "decode_skewed", "large_uniform", "large_skewed", "all"):
         lines.append(
-            f"| {g} | {f[f'n_{g}']} | {x(f[f'{g}_geomean_floor_fraction_copy'])} | "
-            f"{x(f[f'{g}_geomean_floor_fraction_read'])} | "
-            f"{x(f[f'{g}_geomean_bound_fraction'])} | {x(f[f'{g}_geomean_gemm_share'])} |"
+            f"| {g} | {f[f'n_{g}']} | {cell(f[f'{g}_geomean_floor_fraction_copy'])} | "
+            f"{cell(f[f'{g}_geomean_floor_fraction_read'])} | "
+            f"{cell(f[f'{g}_geomean_bound_fraction'])} | {cell(f[f'{g}_geomean_gemm_share'])} |"
         )
     lines += [
         "",
@@ -248,9 +246,9 @@ def render(doc: Mapping[str, Any]) -> str:
         m = p["median_us"]
         lines.append(
             f"| {p['family']} | {p['tokens']} | {p['routing']['kind']} | {p['active_experts']} | "
-            f"{x(m['layer'], '.1f')} | "
-            + " | ".join(x(m[s], ".1f") for s in STAGES)
-            + f" | {x(p['floor_fraction_copy'])} | {x(p['bound_fraction'])} |"
+            f"{cell(m['layer'], '.1f')} | "
+            + " | ".join(cell(m[s], ".1f") for s in STAGES)
+            + f" | {cell(p['floor_fraction_copy'])} | {cell(p['bound_fraction'])} |"
         )
     if doc["errors"]:
         lines += ["", "Errors:", *(f"- {e}" for e in doc["errors"])]
