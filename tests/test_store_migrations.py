@@ -169,6 +169,29 @@ def test_foreign_database_is_refused(db_url: str) -> None:
         engine.dispose()
 
 
+def test_a_migration_committed_between_the_checks_reads_is_not_a_foreign_database(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outside the migration lock a concurrent opener's migration can commit between the
+    check's read of the schema stamp and its read of the tables (PostgreSQL, read committed):
+    the tables are then visible while the first read saw no stamp.  That is an mxdb
+    database being created, not a foreign one."""
+    import mxdb.store.migrate as migrate
+
+    Store.open(db_url).close()  # the "other opener" has migrated
+    real = migrate.current_revisions
+    reads: list[tuple[str, ...]] = []
+
+    def first_read_before_the_commit(conn: object) -> tuple[str, ...]:
+        got = () if not reads else real(conn)  # type: ignore[arg-type]
+        reads.append(got)
+        return got
+
+    monkeypatch.setattr(migrate, "current_revisions", first_read_before_the_commit)
+    Store.open(db_url).close()
+    assert reads[0] == () and reads[1] == (head_revision(),)
+
+
 @pytest.mark.parametrize(
     "content",
     [b"this is a text file, not a database\n" * 10, b"\x00\x01garbage" * 1000, b"SQLite"],

@@ -60,6 +60,14 @@ def current_revisions(conn: Connection) -> tuple[str, ...]:
 
 def _check(conn: Connection, display_url: str) -> tuple[str, ...]:
     current = current_revisions(conn)
+    tables: list[str] = []
+    if not current:
+        tables = sorted(t for t in inspect(conn).get_table_names() if t != "alembic_version")
+        if tables:
+            # Read again: outside the migration lock (PostgreSQL, read committed) another
+            # opener's migration may have committed between the two reads, tables and stamp
+            # at once; with its tables visible, its stamp is too.
+            current = current_revisions(conn)
     unknown = [rev for rev in current if rev not in known_revisions()]
     if unknown:
         raise SchemaTooNewError(
@@ -67,14 +75,12 @@ def _check(conn: Connection, display_url: str) -> tuple[str, ...]:
             f"this mxdb knows (head {head_revision()}); upgrade mxdb (pip install -U mxdb) "
             "or use another --db"
         )
-    if not current:
-        tables = sorted(t for t in inspect(conn).get_table_names() if t != "alembic_version")
-        if tables:
-            shown = ", ".join(tables[:5]) + (", ..." if len(tables) > 5 else "")
-            raise StoreError(
-                f"database at {display_url} has tables ({shown}) but no mxdb schema revision; "
-                "it is not an mxdb database: use an empty database or another --db"
-            )
+    if tables and not current:
+        shown = ", ".join(tables[:5]) + (", ..." if len(tables) > 5 else "")
+        raise StoreError(
+            f"database at {display_url} has tables ({shown}) but no mxdb schema revision; "
+            "it is not an mxdb database: use an empty database or another --db"
+        )
     return current
 
 
