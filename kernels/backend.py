@@ -207,7 +207,11 @@ class GpuBackend:
         p(x, tw, ids, out=out2)
         torch.cuda.synchronize()
         rep = compare(out1, ref, shape.dtype)
-        same = bool(torch.equal(out1, out2))
+        if p.deterministic:
+            same = bool(torch.equal(out1, out2))
+        else:
+            # atomic float32 sums (fused_slice): each call must pass on its own
+            same = compare(out2, ref, shape.dtype).passed
         return Correctness(
             rep.max_abs_err, rep.rel_err, rep.threshold_abs, rep.threshold_rel, rep.passed and same
         )

@@ -42,8 +42,10 @@ class GemmSpec:
     gemm: tuple[int, int, int, int, int, int]  # block_m, block_n, block_k, group_m, warps, stages
     align_block: int
     naive: bool
-    #: the layer implementation; ``fused_act``'s GEMM1 is mxdb's kernel, its GEMM2 FlagGems'
+    #: the layer implementation; ``fused_act``'s GEMM1 is mxdb's kernel, its GEMM2 FlagGems';
+    #: ``fused_slice`` is one kernel (both specs name it, with gemm2's ``block_n`` as block_h)
     impl: str = "flaggems"
+    block_h: int = 0
 
     def key(self) -> tuple[Any, ...]:
         return tuple(asdict(self).values())
@@ -56,6 +58,17 @@ def specs_for(shape: Any, config: Any, naive: bool | None = None) -> tuple[GemmS
     if naive is None:
         naive = uses_naive_assignment(shape.tokens, shape.topk, shape.experts)
     out = []
+    if config.impl == "fused_slice":
+        g = config.gemm1
+        one = GemmSpec(
+            which="gemm1", experts=shape.experts, hidden=shape.hidden,
+            intermediate=shape.intermediate, topk=shape.topk, tokens=shape.tokens,
+            dtype=shape.dtype,
+            gemm=(g.block_m, g.block_n, g.block_k, g.group_m, g.num_warps, g.num_stages),
+            align_block=config.align_block, naive=naive, impl="fused_slice",
+            block_h=config.gemm2.block_n,
+        )  # fmt: skip
+        return one, one  # the pool compiles a repeated spec once
     for which, g in (("gemm1", config.gemm1), ("gemm2", config.gemm2)):
         out.append(
             GemmSpec(
@@ -124,7 +137,8 @@ def _compile_spec(spec: GemmSpec) -> dict[str, Any]:
         import torch
         from flag_gems.fused.fused_moe import fused_moe_kernel
         from mxdb.kernels.fused_act import gemm1_act_kernel
-        from mxdb.kernels.pipeline import TORCH_DTYPES, act_launch, gemm_launches
+        from mxdb.kernels.fused_slice import fused_slice_kernel
+        from mxdb.kernels.pipeline import TORCH_DTYPES, act_launch, gemm_launches, slice_launch
         from triton.runtime.errors import OutOfResources
 
         from mxdb.configs import GemmConfig, KernelConfig
@@ -140,7 +154,18 @@ def _compile_spec(spec: GemmSpec) -> dict[str, Any]:
         dt = TORCH_DTYPES[spec.dtype]
         i32 = torch.int32
         jit: Any = fused_moe_kernel
-        if spec.impl == "fused_act":
+        if spec.impl == "fused_slice":
+            jit = fused_slice_kernel
+            sliced = KernelConfig.fused_slice(
+                block_m=bm, block_i=bn, block_k=bk, block_h=spec.block_h, num_warps=w,
+                num_stages=s, align_block=spec.align_block,
+            )  # fmt: skip
+            l1, l2 = gemm_launches(shape, sliced, spec.naive)
+            f32 = torch.float32
+            args, kwargs = slice_launch(l1, l2, spec.intermediate, spec.hidden).args(
+                dt, dt, dt, f32, f32, i32, i32, i32
+            )
+        elif spec.impl == "fused_act":
             jit = gemm1_act_kernel
             args, kwargs = act_launch(launch, spec.intermediate, spec.hidden).args(
                 dt, dt, dt, i32, i32, i32

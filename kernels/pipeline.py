@@ -24,7 +24,9 @@ slot ("naive block assignment"); ``align_block`` is then unused.
 A config whose ``impl`` is ``fused_act`` runs mxdb's own alignment and GEMM1 instead
 (:mod:`mxdb.kernels.fused_act`): one alignment launch that writes each GEMM's tile expert ids
 directly (batches up to ``ONE_PASS_MAX_SLOTS`` slots; larger ones align as above), and a GEMM1
-that writes ``silu(gate) * up`` so that step 3 disappears.
+that writes ``silu(gate) * up`` so that step 3 disappears.  A config whose ``impl`` is
+``fused_slice`` runs steps 2-5 as one kernel (:mod:`mxdb.kernels.fused_slice`) after the one-pass
+alignment (none in the sparse mode), then casts its float32 accumulator into the output.
 
 Every buffer is allocated once, at construction, for one token count; a call does no allocation,
 no config lookup and no logging, so it can be captured in a CUDA graph.  The alignment runs
@@ -46,6 +48,13 @@ import triton.language as tl
 from flag_gems.fused.fused_moe import MoEActivation, apply_moe_activation, fused_moe_kernel
 from flag_gems.fused.moe_sum import moe_sum
 from mxdb.kernels.fused_act import AlignLaunch, Gemm1ActLaunch, gemm1_act_kernel, one_pass_fits
+from mxdb.kernels.fused_slice import (
+    FINISH_BLOCK,
+    FusedSliceLaunch,
+    finish_grid,
+    finish_kernel,
+    fused_slice_kernel,
+)
 
 from mxdb.configs import GemmConfig, KernelConfig
 from mxdb.shapes import MoEShape
@@ -160,6 +169,19 @@ def act_launch(g1: GemmLaunch, intermediate: int, hidden: int) -> Gemm1ActLaunch
     )  # fmt: skip
 
 
+def slice_launch(
+    g1: GemmLaunch, g2: GemmLaunch, intermediate: int, hidden: int
+) -> FusedSliceLaunch:
+    """The ``fused_slice`` launch on the tiles and grid rows of ``g1`` (``block_h`` from ``g2``)."""
+    g = g1.gemm
+    return FusedSliceLaunch(
+        hidden=hidden, intermediate=intermediate, em=g1.em, num_valid=g1.num_valid,
+        top_k=g1.top_k, naive=g1.naive, block_m=g.block_m, block_i=g.block_n, block_k=g.block_k,
+        block_h=g2.gemm.block_n, num_warps=g.num_warps, num_stages=g.num_stages,
+        compute_type=COMPUTE_TYPES[g1.dtype],
+    )  # fmt: skip
+
+
 def gemm_launches(
     shape: MoEShape, config: KernelConfig, naive: bool | None = None
 ) -> tuple[GemmLaunch, GemmLaunch]:
@@ -218,8 +240,12 @@ class MoEPipeline:
         self.w2 = w2
         self.g1, self.g2 = gemm_launches(shape, config, naive)
         self.naive = self.g1.naive
-        self.fused_act = config.impl == "fused_act"
-        self.act1 = act_launch(self.g1, i, h) if self.fused_act else None
+        own_align = config.impl in ("fused_act", "fused_slice")
+        self.act1 = act_launch(self.g1, i, h) if config.impl == "fused_act" else None
+        self.slice = slice_launch(self.g1, self.g2, i, h) if config.impl == "fused_slice" else None
+        #: whether two calls on the same inputs give bit-identical outputs (``fused_slice``'s
+        #: atomic float32 sums add in a varying order)
+        self.deterministic = self.slice is None
         dev = w1.device
         slots = m * k
         align = config.align_block
@@ -234,7 +260,7 @@ class MoEPipeline:
             self.sorted_ids: torch.Tensor | None = None
             self.align_expert_ids: torch.Tensor | None = None
             self._tile_ids: dict[str, torch.Tensor | None] = {"gemm1": None, "gemm2": None}
-        elif self.fused_act and one_pass_fits(slots):
+        elif own_align and one_pass_fits(slots):
             length = padded_length(slots, e, align)
             self.sorted_ids = torch.empty(length, dtype=i32, device=dev)
             self.align_expert_ids = None
@@ -278,13 +304,23 @@ class MoEPipeline:
                 else _mab.moe_align_block_size_stage2
             )
         # cache1 ([M, k, 2I]) and cache3 ([M, k, H]) are separate: no aliasing across calls;
-        # fused_act's GEMM1 writes cache2 itself and has no cache1
-        self.cache1 = torch.empty((m, k, 0 if self.fused_act else 2 * i), dtype=dtype, device=dev)
-        self.cache2 = torch.empty((slots, i), dtype=dtype, device=dev)
-        self.cache3 = torch.empty((m, k, h), dtype=dtype, device=dev)
+        # fused_act's GEMM1 writes cache2 itself and has no cache1; fused_slice has none of
+        # them, only a float32 accumulator that its finishing launch clears after each call
+        staged = self.slice is None
+        self.cache1 = torch.empty(
+            (m, k, 2 * i if staged and self.act1 is None else 0), dtype=dtype, device=dev
+        )
+        self.cache2 = torch.empty((slots, i if staged else 0), dtype=dtype, device=dev)
+        self.cache3 = torch.empty((m, k, h if staged else 0), dtype=dtype, device=dev)
+        self.acc = torch.zeros((m, 0 if staged else h), dtype=torch.float32, device=dev)
         self.out = torch.empty((m, h), dtype=dtype, device=dev)
         self._cache1_2d = self.cache1.view(slots, -1)
-        if self.act1 is not None:
+        if self.slice is not None:
+            self._a1, self._k1 = self.slice.args(
+                None, w1, w2, None, self.acc, self.sorted_ids, self._tile_ids["gemm1"], self.ntpp
+            )
+            self._grid1 = self.slice.grid
+        elif self.act1 is not None:
             self._a1, self._k1 = self.act1.args(
                 None, w1, self.cache2, self.sorted_ids, self._tile_ids["gemm1"], self.ntpp
             )
@@ -351,6 +387,14 @@ class MoEPipeline:
         a1, a2 = self._bind(x, topk_weights, topk_ids)
         k1, k2, g1, g2 = self._k1, self._k2, self._grid1, self._grid2
         out_steps = self._align(topk_ids)
+        if self.slice is not None:
+            acc, n = self.acc, self.acc.numel()
+            fin = finish_grid(n)
+            out_steps.append(("triton", lambda: fused_slice_kernel[g1](*a1, **k1)))
+            out_steps.append(
+                ("triton", lambda: finish_kernel[fin](acc, out, n, BLOCK=FINISH_BLOCK))
+            )
+            return out_steps
         if self.act1 is not None:
             out_steps.append(("triton", lambda: gemm1_act_kernel[g1](*a1, **k1)))
         else:
@@ -370,7 +414,11 @@ class MoEPipeline:
         """GEMM1's and GEMM2's argument lists with this call's tensors."""
         a1, a2 = list(self._a1), list(self._a2)
         a1[0], a2[6] = x, topk_weights
-        if self.act1 is not None:
+        if self.slice is not None:
+            a1[3] = topk_weights
+            if self.naive:
+                a1[6] = topk_ids
+        elif self.act1 is not None:
             if self.naive:
                 a1[4] = topk_ids
         else:

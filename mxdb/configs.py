@@ -54,8 +54,14 @@ LaunchExtra = tuple[tuple[str, int | str], ...]
 #: ``flaggems``: FlagGems' staged alignment, ``fused_moe_kernel`` for both GEMMs, its SiLU-and-mul
 #: and sum kernels (what FlagGems and vLLM run); ``fused_act``: mxdb's one-pass alignment and a
 #: GEMM1 that applies SiLU-and-mul in its epilogue (``mxdb.kernels.fused_act``), then FlagGems'
-#: GEMM2 and sum.  The first is the default, and the only one peers' tables can express.
-IMPLS: tuple[str, ...] = ("flaggems", "fused_act")
+#: GEMM2 and sum; ``fused_slice``: both GEMMs, the activation and the top-k sum in one kernel
+#: per (tile of slots, slice of the intermediate dimension) with atomic adds into a float32
+#: output (``mxdb.kernels.fused_slice``; small batches).  The first is the default, and the only
+#: one peers' tables can express.
+IMPLS: tuple[str, ...] = ("flaggems", "fused_act", "fused_slice")
+#: The largest batch (tokens x top-k) the tuner times ``fused_slice`` at: its atomic adds grow
+#: with the batch, and beyond decode sizes GEMM tiles over many slots read weights better.
+FUSED_SLICE_MAX_SLOTS = 512
 DEFAULT_IMPL = "flaggems"
 
 
@@ -196,6 +202,18 @@ class KernelConfig(BaseModel):
                 raise ValueError(
                     f"align_block ({self.align_block}) must be a multiple of {name}.block_m ({bm})"
                 )
+        if self.impl == "fused_slice":
+            # one kernel: gemm2 holds only block_h (its block_n); the rest follows gemm1, so
+            # that two configs that launch the same kernel have one identity
+            g1, g2 = self.gemm1, self.gemm2
+            want = _slice_gemm2(g1, g2.block_n)
+            if g1.group_m != 1 or g2 != want:
+                raise ValueError(
+                    "a fused_slice config is gemm1 (block_m, block_n = the slice of the "
+                    "intermediate dimension, block_k, warps, stages; group_m 1) and gemm2's "
+                    f"block_n (block_h); gemm2 must be {want.short()}, got {g2.short()}, "
+                    f"and gemm1.group_m 1, got {g1.group_m}"
+                )
         return self
 
     @property
@@ -206,13 +224,43 @@ class KernelConfig(BaseModel):
         return self.impl == DEFAULT_IMPL and g1 == self.gemm2 and self.align_block == g1.block_m
 
     def with_impl(self, impl: str) -> KernelConfig:
-        """The same tiles under another implementation."""
-        return (
-            self
-            if impl == self.impl
-            else KernelConfig(
-                gemm1=self.gemm1, gemm2=self.gemm2, align_block=self.align_block, impl=impl
-            )
+        """The same tiles under another implementation (``fused_slice``: GEMM1's tiles as the
+        slice and hidden step, GEMM2's ``block_n`` as the output chunk, GEMM1's group 1)."""
+        if impl == self.impl:
+            return self
+        if impl == "fused_slice":
+            g1 = self.gemm1
+            return KernelConfig.fused_slice(
+                block_m=g1.block_m, block_i=g1.block_n, block_k=g1.block_k,
+                block_h=self.gemm2.block_n, num_warps=g1.num_warps, num_stages=g1.num_stages,
+                align_block=self.align_block,
+            )  # fmt: skip
+        return KernelConfig(
+            gemm1=self.gemm1, gemm2=self.gemm2, align_block=self.align_block, impl=impl
+        )
+
+    @classmethod
+    def fused_slice(
+        cls,
+        *,
+        block_m: int,
+        block_i: int,
+        block_k: int,
+        block_h: int,
+        num_warps: int = 4,
+        num_stages: int = 3,
+        align_block: int | None = None,
+    ) -> KernelConfig:
+        """The ``fused_slice`` config with these tiles (see ``mxdb.kernels.fused_slice``)."""
+        g1 = GemmConfig(
+            block_m=block_m, block_n=block_i, block_k=block_k, group_m=1,
+            num_warps=num_warps, num_stages=num_stages,
+        )  # fmt: skip
+        return cls(
+            gemm1=g1,
+            gemm2=_slice_gemm2(g1, block_h),
+            align_block=align_block or block_m,
+            impl="fused_slice",
         )
 
     @classmethod
@@ -265,6 +313,11 @@ class KernelConfig(BaseModel):
         if self.gemm1 == self.gemm2 and self.align_block == self.gemm1.block_m:
             return self.gemm1.short() + impl
         return f"{self.gemm1.short()} | {self.gemm2.short()} | align{self.align_block}{impl}"
+
+
+def _slice_gemm2(g1: GemmConfig, block_h: int) -> GemmConfig:
+    """A ``fused_slice`` config's gemm2: ``block_h`` wide, over ``g1``'s slice, with its launch."""
+    return g1.model_copy(update={"block_n": block_h, "block_k": g1.block_n, "extra": None})
 
 
 def config_hash(config: dict[str, Any]) -> str:

@@ -214,7 +214,7 @@ def estimate(
 ) -> ResourceEstimate:
     """Shared memory, registers and threads of one GEMM config on ``profile``.
 
-    ``weight_tiles`` is 2 for the ``fused_act`` implementation's GEMM1, whose program loads a
+    ``weight_tiles`` is 2 for the ``fused_act`` and ``fused_slice`` GEMM1, whose program loads a
     gate and an up tile of the weights and keeps an accumulator for each.  ``shape`` (optional) only adds warnings about tiles larger than the GEMM.  ``triton``
     (optional) is the Triton release the config will be compiled with: it selects the
     ``KNOWN_COMPILE_FAILURES`` that apply (all of them when not given).
@@ -319,7 +319,9 @@ def check(
     else:
         kc = KernelConfig.parse(config)
     kw: dict[str, Any] = {"dtype": shape.dtype, "profile": profile, "shape": shape}
-    tiles1 = 2 if kc.impl == "fused_act" else 1
+    # fused_act's GEMM1 and fused_slice's first product load a gate and an up tile; the
+    # second product of fused_slice is gemm2's tiles ([block_m, block_i] x [block_i, block_h])
+    tiles1 = 2 if kc.impl in ("fused_act", "fused_slice") else 1
     g1 = estimate(kc.gemm1, gemm_index=1, triton=triton, weight_tiles=tiles1, **kw)
     g2 = estimate(kc.gemm2, gemm_index=2, triton=triton, **kw)
     return CheckResult(

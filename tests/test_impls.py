@@ -20,7 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mxdb.cli.app import cli
-from mxdb.configs import DEFAULT_IMPL, IMPLS, GemmConfig, KernelConfig
+from mxdb.configs import DEFAULT_IMPL, FUSED_SLICE_MAX_SLOTS, IMPLS, GemmConfig, KernelConfig
 from mxdb.errors import ConfigError, WorkloadError
 from mxdb.evidence.files import trace_hash
 from mxdb.models import Entry, Fingerprint
@@ -30,13 +30,14 @@ from mxdb.shapes import MoEShape, preset_shape
 from mxdb.store import Store
 from mxdb.tune.fake import FakeBackend
 from mxdb.tune.search import (
+    SLICE_FINALISTS,
     PointInput,
     RoutingInput,
     impl_variants,
     implementations,
     search,
 )
-from mxdb.tune.space import SearchSpace
+from mxdb.tune.space import SLICE_TILES, SearchSpace, slice_menu
 from mxdb.tune.verify import SINGLE_SOURCE
 from mxdb.tune.workload import SearchOptions
 
@@ -124,8 +125,12 @@ class _FlagGemsOnly(FakeBackend):
     impls = (DEFAULT_IMPL,)
 
 
+def test_variants_leave_fused_slice_to_its_own_menu() -> None:
+    assert {c.impl for c in impl_variants([BASE], ["fused_act", "fused_slice"])} == {"fused_act"}
+
+
 def test_implementations_are_those_asked_for_that_the_backend_runs() -> None:
-    assert implementations(FakeBackend(), SearchOptions()) == ["fused_act"]
+    assert implementations(FakeBackend(), SearchOptions()) == ["fused_act", "fused_slice"]
     assert implementations(FakeBackend(), SearchOptions(impls=["flaggems"])) == []
     assert implementations(_FlagGemsOnly(), SearchOptions()) == []
 
@@ -154,11 +159,33 @@ def test_search_times_each_finalist_under_the_other_implementation_and_can_pick_
     replayed = {
         KernelConfig.parse(m.config).impl for m in res.measurements if m.comparison == "replay"
     }
-    assert replayed == {"flaggems", "fused_act"}
+    assert replayed == {"flaggems", "fused_act", "fused_slice"}
     assert res.stages["impl_variants"] > 0
-    # the model gives fused_act the activation pass and most of the alignment: it wins
-    assert res.winner is not None and res.winner.impl == "fused_act"
+    # the model gives fused_act the activation pass and most of the alignment, and fused_slice
+    # one launch streaming the weights: one of mxdb's kernels wins
+    assert res.winner is not None and res.winner.impl in ("fused_act", "fused_slice")
     assert res.correctness is not None and res.correctness.passed
+
+
+def test_search_times_fused_slice_at_small_batches_only() -> None:
+    fb = FakeBackend(seed=1, noise=0.002)
+    options = SearchOptions(max_candidates=8, halving_rounds=1, refine_steps=0)
+    for m, expect in ((4, True), (FUSED_SLICE_MAX_SLOTS // 8 + 1, False)):
+        point = _point(m)
+        res = search(fb, point, options, space=SearchSpace(point.shape, fb.profile()))
+        replayed = [
+            KernelConfig.parse(x.config)
+            for x in res.measurements
+            if x.comparison == "replay" and x.role == "candidate"
+        ]
+        sliced = [c for c in replayed if c.impl == "fused_slice"]
+        assert bool(sliced) is expect, m
+        if expect:
+            # the best few of its menu, ranked on the synthetic routing
+            assert 0 < len({c.hash for c in sliced}) <= SLICE_FINALISTS
+            assert {c.hash for c in sliced} <= {c.hash for c in slice_menu(point.shape)}
+            ranked = [x for x in res.measurements if x.fidelity == "synthetic"]
+            assert {KernelConfig.parse(x.config).impl for x in ranked} >= {"fused_slice"}
 
 
 def test_search_without_the_implementation_keeps_flaggems_kernels() -> None:
@@ -169,6 +196,39 @@ def test_search_without_the_implementation_keeps_flaggems_kernels() -> None:
 
 
 # -- resources ----------------------------------------------------------------------------
+
+
+def test_fused_slice_config_has_one_form() -> None:
+    c = KernelConfig.fused_slice(block_m=16, block_i=128, block_k=128, block_h=256, num_warps=8)
+    assert c.impl == "fused_slice" and c.align_block == 16
+    assert c.gemm2 == _g(16, 256, 128, w=8) and not c.single
+    assert KernelConfig.parse(c.canonical_json()) == c
+    assert BASE.with_impl("fused_slice") == KernelConfig.fused_slice(
+        block_m=16, block_i=64, block_k=128, block_h=64
+    )
+    # the same kernel under a second spelling is refused, naming the one form
+    with pytest.raises(ConfigError, match=r"gemm2 must be M16/N256/K128/G1/w8/s3"):
+        KernelConfig.parse({**c.model_dump(), "gemm2": _g(16, 256, 64, w=8).model_dump()})
+    with pytest.raises(ConfigError, match="gemm1.group_m 1"):
+        KernelConfig.parse({**c.model_dump(), "gemm1": _g(16, 128, 128, gm=8, w=8).model_dump()})
+
+
+def test_slice_menu_caps_tiles_at_the_dimensions_and_stops_past_its_batch_limit() -> None:
+    small = MoEShape(128, 2048, 96, 8, 4, "bf16")
+    menu = slice_menu(small)
+    assert menu and all(c.impl == "fused_slice" for c in menu)
+    assert max(c.gemm1.block_n for c in menu) == 128  # 96 rounds up to 128, no further
+    assert len({c.hash for c in menu}) == len(menu)
+    assert len(slice_menu(MoEShape(8, 4096, 14336, 2, 4, "bf16"))) == len(SLICE_TILES)
+    assert slice_menu(small.with_tokens(FUSED_SLICE_MAX_SLOTS // 8 + 1)) == []
+
+
+def test_proxy_counts_both_weight_tiles_of_fused_slice() -> None:
+    shape = MoEShape(8, 4096, 14336, 2, 4, "bf16")
+    c = KernelConfig.fused_slice(block_m=16, block_i=128, block_k=128, block_h=256)
+    r = check(c, shape, resolve_profile("h200"))
+    assert r.gemm1.smem_bytes == 2 * (16 * 128 + 128 * 256) * 2  # gate and up tiles
+    assert r.gemm2.smem_bytes == 2 * (16 * 128 + 128 * 256) * 2  # [16,128] x [128,256]
 
 
 def test_proxy_counts_the_gate_and_up_tiles_of_the_fused_gemm1() -> None:

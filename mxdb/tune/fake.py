@@ -286,6 +286,8 @@ class FakeBackend:
     def true_us(self, shape: MoEShape, counts: np.ndarray, cfg: KernelConfig) -> float:
         """The noiseless layer time in microseconds for per-expert token counts ``counts``."""
         nbytes = DTYPE_BYTES[shape.dtype]
+        if cfg.impl == "fused_slice":
+            return self._slice_us(shape, counts, cfg, nbytes)
         a = cfg.align_block
         padded = np.where(counts > 0, -(-counts // a) * a, 0)
         active = int((counts > 0).sum())
@@ -300,6 +302,32 @@ class FakeBackend:
             align_us, act_us = align_us / 4, 0.0
         sum_us = 1.5 + shape.tokens * shape.topk * h * nbytes / BANDWIDTH_B_PER_S * 1e6
         return float(t1 + t2 + align_us + act_us + sum_us)
+
+    def _slice_us(
+        self, shape: MoEShape, counts: np.ndarray, cfg: KernelConfig, nbytes: int
+    ) -> float:
+        """``fused_slice``: one launch streaming each active expert's weights once per tile of
+        slots, atomic float32 adds of every slot's row per slice, and the finishing cast."""
+        g = cfg.gemm1
+        h, i = shape.hidden, shape.intermediate
+        tiles_e = -(-counts // g.block_m)
+        slices = -(-i // g.block_n)
+        programs = max(1, int(tiles_e.sum()) * slices)
+        read = float(tiles_e.sum()) * 3 * i * h * nbytes
+        atomics = float(counts.sum()) * h * slices * 4 * 2
+        inflight = 2 * g.block_n * g.block_k * nbytes * (g.num_stages - 1)
+        bw_eff = 0.95 * (1 - math.exp(-inflight / (12 * 1024)))
+        conc = min(1.0, programs / (SMS * 2.0))
+        mem_us = (read + atomics) / (BANDWIDTH_B_PER_S * bw_eff * max(conc, 0.05)) * 1e6
+        # every tile multiplies block_m rows, whatever its expert's count
+        flops = 2.0 * float(tiles_e.sum()) * g.block_m * 3 * i * h
+        comp_us = flops / (PEAK_FLOPS * 0.5) * 1e6
+        quirk = 1.0 + 0.03 * (
+            _unit("slice", shape.family, shape.dtype, cfg.short(), self.seed) - 0.5
+        )
+        naive = shape.tokens * shape.topk * 4 <= shape.experts
+        align_us = 0.0 if naive else 0.5 + float(counts.sum()) * 5e-5
+        return float((max(mem_us, comp_us) + 2.0) * quirk + align_us + 1.5)
 
     def _gemm_us(
         self,

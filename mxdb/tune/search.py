@@ -17,7 +17,9 @@ Ladder, cheapest first:
    backend builds the point's inputs once.
 4. **replay**: the finalists (and the peer tables' configs, always), each also under the other
    layer implementations (``SearchOptions.impls``: the same tiles, and GEMM1 at half the
-   ``block_n``), FlagGems' baseline and a same-config control pair (baseline vs baseline) are
+   ``block_n``), and at batches of at most ``FUSED_SLICE_MAX_SLOTS`` token slots the best
+   ``fused_slice`` configs of its own menu (``space.slice_menu``, ranked on the synthetic
+   routing), FlagGems' baseline and a same-config control pair (baseline vs baseline) are
    timed interleaved on the workload's stored trace, ``replicates`` times.
 5. **layer**: the finalists run the whole layer against the float32 reference; the fastest
    correct one wins.
@@ -46,7 +48,7 @@ from mxdb.resources import VLLM_GRID
 from mxdb.results import Correctness, Timing
 from mxdb.shapes import MoEShape
 from mxdb.tune.backend import Backend
-from mxdb.tune.space import SearchSpace, align_for
+from mxdb.tune.space import SearchSpace, align_for, slice_menu
 from mxdb.tune.workload import SearchOptions
 
 #: Configs per backend.time() call in the synthetic rungs (the budget is checked in between).
@@ -296,12 +298,17 @@ def search(
     chosen = {c.hash for c in finalists}
     finalists += [c for c in seeds if c.hash in ok and c.hash not in chosen]
     # 4a. the same tiles under the other layer implementations the backend runs
-    variants = impl_variants(finalists, implementations(backend, options))
+    impls = implementations(backend, options)
+    variants = impl_variants(finalists, impls)
     kept_v, dropped_v = space.prune(variants)
     for p in dropped_v:
         rec.add(p.config, fidelity="proxy", status="oor", error=p.reason)
     finalists += _compile(backend, shape, kept_v, rec)
     stages["impl_variants"] = len(variants)
+    # 4b. small batches: the one-kernel layer, on tiles of its own (FlagGems' tiles do not
+    # carry over), ranked on the synthetic routing; its best few join the finalists
+    if "fused_slice" in impls:
+        finalists += _slice_finalists(backend, point, options, space, rec, budget, method)
     result = SearchResult(
         shape=shape,
         measurements=rec.items,
@@ -334,15 +341,24 @@ def implementations(backend: Backend, options: SearchOptions) -> list[str]:
     return [i for i in options.impls if i != DEFAULT_IMPL and i in runs]
 
 
+#: Implementations that run FlagGems' GEMM tiles (``fused_slice`` has tiles of its own:
+#: ``mxdb.tune.space.slice_menu``).
+TILE_IMPLS = ("fused_act",)
+
+#: ``fused_slice`` configs that reach the replayed comparison.
+SLICE_FINALISTS = 3
+
+
 def impl_variants(configs: Sequence[KernelConfig], impls: Sequence[str]) -> list[KernelConfig]:
-    """Each FlagGems config under every implementation of ``impls``, and with GEMM1's
-    ``block_n`` halved: ``fused_act``'s GEMM1 program reads a gate and an up tile, twice the
-    weight rows of the same ``block_n``."""
+    """Each FlagGems config under every implementation of ``impls`` that runs FlagGems' tiles,
+    and with GEMM1's ``block_n`` halved: ``fused_act``'s GEMM1 program reads a gate and an up
+    tile, twice the weight rows of the same ``block_n``."""
     out: list[KernelConfig] = []
+    tiled = [i for i in impls if i in TILE_IMPLS]
     for c in configs:
         if c.impl != DEFAULT_IMPL:
             continue
-        for impl in impls:
+        for impl in tiled:
             out.append(c.with_impl(impl))
             g1 = c.gemm1
             if g1.block_n >= 32:
@@ -350,6 +366,41 @@ def impl_variants(configs: Sequence[KernelConfig], impls: Sequence[str]) -> list
                 out.append(c.model_copy(update={"gemm1": half, "impl": impl}))
     seen = {c.hash for c in configs}
     return [c for c in _dedup(out) if c.hash not in seen]
+
+
+def _slice_finalists(
+    backend: Backend,
+    point: PointInput,
+    options: SearchOptions,
+    space: SearchSpace,
+    rec: _Recorder,
+    budget: _Budget,
+    method: str,
+) -> list[KernelConfig]:
+    """The best :data:`SLICE_FINALISTS` of ``slice_menu`` on the synthetic routing (none past
+    its batch limit)."""
+    menu = slice_menu(point.shape)
+    if not menu or not budget.left(RESERVE):
+        return []
+    kept, dropped = space.prune(menu)
+    for p in dropped:
+        rec.add(p.config, fidelity="proxy", status="oor", error=p.reason)
+    compiled = _compile(backend, point.shape, kept, rec)
+    local: dict[str, list[float]] = {}
+    timed = _time_batches(
+        backend,
+        point.shape,
+        point.synthetic,
+        compiled,
+        options.refine_reps,
+        point.seed,
+        rec,
+        budget,
+        local,
+        method,
+    )
+    by_hash = {c.hash: c for c in compiled}
+    return [by_hash[h] for h in _rank(timed, local)[:SLICE_FINALISTS]]
 
 
 def _line(space: SearchSpace, g: GemmConfig) -> list[GemmConfig]:

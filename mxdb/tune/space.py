@@ -65,6 +65,41 @@ def joint(g1: GemmConfig, g2: GemmConfig) -> KernelConfig:
     return KernelConfig(gemm1=g1, gemm2=g2, align_block=align_for(g1, g2))
 
 
+#: The tiles ``fused_slice`` is searched over: (slice width, hidden step, output chunk, warps,
+#: stages), block_m 16.  Chosen on an H200 (bf16, Mixtral-8x7B and Qwen3-30B-A3B shapes, M 1-32,
+#: uniform routing, 81 tiles timed side by side, ``benchmarks/slice_sweep.py``): at each of the
+#: 40 routing instances the fastest of the 81 was one of these 36.
+SLICE_TILES: tuple[tuple[int, int, int, int, int], ...] = tuple(
+    (bi, bk, bh, w, st)
+    for bi in (64, 128)
+    for bk in (64, 128, 256)
+    for bh in (128, 256)
+    for w, st in ((4, 3), (8, 3), (4, 4))
+)
+
+
+def slice_menu(shape: MoEShape) -> list[KernelConfig]:
+    """The ``fused_slice`` configs the search times at ``shape`` (tiles no larger than the
+    dimensions they cover, rounded up to a power of two)."""
+    from mxdb.configs import FUSED_SLICE_MAX_SLOTS
+
+    if shape.tokens * shape.topk > FUSED_SLICE_MAX_SLOTS:
+        return []
+
+    def cap(v: int, dim: int) -> int:
+        return min(v, max(16, 1 << (dim - 1).bit_length()))
+
+    h, i = shape.hidden, shape.intermediate
+    out: dict[str, KernelConfig] = {}
+    for bi, bk, bh, w, st in SLICE_TILES:
+        c = KernelConfig.fused_slice(
+            block_m=16, block_i=cap(bi, i), block_k=cap(bk, h), block_h=cap(bh, h),
+            num_warps=w, num_stages=st,
+        )  # fmt: skip
+        out.setdefault(c.hash, c)
+    return list(out.values())
+
+
 @dataclass(frozen=True)
 class Pruned:
     """A config the resource proxy rejected, and why."""
