@@ -35,8 +35,11 @@ REASONS: dict[str, str] = {
     "cover this token count or routing class",
     "invalid_entry": "the matching stored entry cannot be read (an invalid config): not answered",
     "baseline_measured": "measured here (or nearest): nothing beat FlagGems' own choice beyond noise",
-    "peer_parity": "a peer table's row (vLLM's) at this exact key: slower than FlagGems' own choice "
-    "on none of the routing instances measured, and faster pooled over them",
+    "parity": "a parity record at this exact key (a peer table's row, or the search's choice "
+    "that lost its verification to ties): slower than FlagGems' own choice on none of the "
+    "routing instances measured, and faster pooled over them",
+    "peer_parity": "(the name of `parity` in records of earlier versions, which held peer "
+    "table rows only)",
     "healing_fallback": "self-healing moved this key to FlagGems' own choice: every config the "
     "store offers for it measured slower than its baseline here",
 }

@@ -17,8 +17,9 @@ entry (the tuner measured that key and nothing beat FlagGems' own choice) takes
 part in that choice like a verified one, and outranks verified entries of the
 same key (traces of one routing class that disagree); when it is the closest,
 the answer is the fallback (FlagGems' choice) with reason ``baseline_measured``.  A
-``parity`` entry (a peer's table row at parity with FlagGems' choice on every routing instance
-measured, and faster pooled over them) answers its own key only, with reason ``peer_parity``;
+``parity`` entry (a peer's table row, or the search's choice, at parity with FlagGems' choice on
+every routing instance measured, and faster pooled over them) answers its own key only, with
+reason ``parity``;
 it ranks below a baseline record and above verified entries of the same key.
 """
 
@@ -364,7 +365,7 @@ class Dispatcher:
             # A baseline record outranks verified configs at the same key: routings of one
             # class (several traces) measured there disagree, and on one of them nothing beat
             # FlagGems' choice, so FlagGems' choice is the answer no measurement contradicts.
-            # A parity record (a peer's row at parity with it) ranks between the two.
+            # A parity record (a peer's row or a choice at parity with it) ranks between the two.
             if old is None or _rank(status, speedup, row_id) > _rank(old[5], old[6], old[0]):
                 by_tokens[tokens] = row
         if not best:
@@ -428,7 +429,7 @@ class Dispatcher:
             # the nearest measurement found FlagGems' own choice best: answer with it
             return fallback("baseline_measured")
         if row.status == "parity":
-            reason = "peer_parity"
+            reason = "parity"
         try:
             config = self._config(op, row)
         except (MxdbError, ValueError, TypeError, KeyError, AttributeError):
@@ -436,7 +437,7 @@ class Dispatcher:
             return fallback("invalid_entry")
         return Decision(
             config=config,
-            level=EXACT if reason in ("exact_match", "peer_parity") else NEIGHBOUR,
+            level=EXACT if reason in ("exact_match", "parity") else NEIGHBOUR,
             confidence=round(confidence, 4),
             reason=reason,
             entry_id=row.id,

@@ -39,6 +39,15 @@ The decision:
    ties with FlagGems' choice everywhere and is the faster of the two overall is then the
    answer: neither slower than FlagGems' choice nor than the peer's own table.  Its confidence
    is the fraction of held-out instances on which its speedup is at least 1.
+5. Rule 3 (run schema 1.3): a point that is still a baseline record gets a parity record for
+   the replay's choice (a candidate faster than FlagGems' choice on the replay, not beaten by
+   the bar row there) when it was timed on at least :data:`HELDOUT_MIN` held-out instances, is
+   slower than FlagGems' choice, and than the bar row, on none of them, and is faster pooled
+   over those instances (the replay, which chose it, is left out of the pool).  Such a choice
+   lost its verification to ties, not to losses: a held-out instance where it ran even with
+   FlagGems' choice (at a memory-bound batch both read the same bytes) while another trace of
+   the key verified it.  Its confidence is the fraction of held-out instances on which its
+   speedup is at least 1.
 """
 
 from __future__ import annotations
@@ -52,8 +61,22 @@ from mxdb import verdict
 #: Held-out routing instances a verified entry must have won, at the least.
 HELDOUT_MIN = 3
 
-#: The decision rule new tunes use: 2 adds the parity record (item 4 of the module docstring).
-RULE = 2
+#: The decision rule new tunes use: 2 adds the parity record (item 4 of the module docstring),
+#: 3 the replay choice's parity record (item 5).
+RULE = 3
+
+#: The run schema version that declares each rule in a bundle (the audit reads it back).
+RUN_SCHEMA_OF_RULE: dict[int, str] = {1: "1.1", 2: "1.2", 3: "1.3"}
+
+
+def rule_of_run_schema(version: str | None) -> int:
+    """The decision rule a run schema version declares (versions before 1.1 and unknown
+    ones: rule 1)."""
+    for rule, v in RUN_SCHEMA_OF_RULE.items():
+        if v == version:
+            return rule
+    return 1
+
 
 DecisionStatus = Literal["verified", "baseline", "parity", "none"]
 
@@ -251,6 +274,44 @@ def parity_row(arms: Sequence[Arm]) -> Arm | None:
     return best[1] if best is not None else None
 
 
+def _pooled(
+    by_comp: Mapping[str, list[Arm]], names: Sequence[str], config_hash: str, bars: Sequence[str]
+) -> tuple[verdict.Verdict, list[dict[str, Any]], int] | None:
+    """``config_hash``'s arm in each comparison of ``names``, when it is slower than FlagGems'
+    choice in none of them (nor than the arms of ``bars`` there): its verdict pooled over them
+    (each arm's rounds concatenated in comparison order, so a pair stays within a round), the
+    validation records of the held-out ones and how many of those it ran at least even on.
+    None where an arm is missing or slower."""
+    pooled_copies: list[list[float]] = []
+    pooled_arm: list[float] = []
+    validation: list[dict[str, Any]] = []
+    even = 0
+    margin = 0.0
+    for name in names:
+        comp = by_comp.get(name, [])
+        _, copies = copies_of(comp)
+        arm = next((a for a in comp if a.config_hash == config_hash and usable(a)), None)
+        if arm is None or len(copies) < 2:
+            return None
+        if pooled_copies and len(copies) != len(pooled_copies):
+            return None
+        v = verdict.compare([list(c.samples) for c in copies], arm.samples, margin=arm.margin)
+        if v.slower or v.speedup is None or _slower_than_peers(comp, arm, bars, v):
+            return None
+        if not pooled_copies:
+            pooled_copies = [[] for _ in copies]
+        for j, c in enumerate(copies):
+            pooled_copies[j] += list(c.samples)
+        pooled_arm += list(arm.samples)
+        margin = arm.margin
+        if name != "replay":
+            even += v.speedup >= 1.0
+            validation.append(_record(name, arm, v, v.speedup >= 1.0))
+    if not pooled_arm:
+        return None
+    return verdict.compare(pooled_copies, pooled_arm, margin=margin), validation, even
+
+
 def _parity(
     by_comp: Mapping[str, list[Arm]], heldout: Sequence[str], heldout_min: int
 ) -> PointDecision | None:
@@ -259,48 +320,60 @@ def _parity(
     row = parity_row(replay)
     if row is None or len(heldout) < heldout_min:
         return None
-    base, _ = copies_of(replay)
-    assert base is not None
-    pooled_copies: list[list[float]] = []
-    pooled_row: list[float] = []
-    validation: list[dict[str, Any]] = []
-    at_least_even = 0
-    for name in ["replay", *heldout]:
-        comp = by_comp[name]
-        _, copies = copies_of(comp)
-        arm = next((a for a in comp if a.config_hash == row.config_hash and usable(a)), None)
-        if arm is None or len(copies) < 2:
-            return None
-        if pooled_copies and len(copies) != len(pooled_copies):
-            return None
-        v = verdict.compare([list(c.samples) for c in copies], arm.samples, margin=arm.margin)
-        if v.slower or v.speedup is None:
-            return None
-        if not pooled_copies:
-            pooled_copies = [[] for _ in copies]
-        for j, c in enumerate(copies):
-            pooled_copies[j] += list(c.samples)
-        pooled_row += list(arm.samples)
-        if name != "replay":
-            at_least_even += v.speedup >= 1.0
-            validation.append(_record(name, arm, v, v.speedup >= 1.0))
-    pooled = verdict.compare(pooled_copies, pooled_row, margin=row.margin)
+    held = _pooled(by_comp, ["replay", *heldout], row.config_hash, [])
+    if held is None:
+        return None
+    return _parity_record(
+        replay, row, held, len(heldout),
+        f"the peer row is slower than FlagGems' choice on none of the replay and {len(heldout)} "
+        "held-out routing instances, and faster pooled over them",
+    )  # fmt: skip
+
+
+def _choice_parity(
+    by_comp: Mapping[str, list[Arm]], heldout: Sequence[str], heldout_min: int
+) -> PointDecision | None:
+    """The parity record of rule 3 for the replay's choice (docstring 5), or None."""
+    replay = by_comp.get("replay", [])
+    chosen, bar, _ = choose(replay)
+    if chosen is None or chosen.role != "candidate" or len(heldout) < heldout_min:
+        return None
+    bars = [bar.config_hash] if bar is not None else []
+    # the replay chose it (a biased sample): only the held-out instances are pooled
+    held = _pooled(by_comp, heldout, chosen.config_hash, bars)
+    if held is None:
+        return None
+    return _parity_record(
+        replay, chosen, held, len(heldout),
+        f"the replay's choice is slower than FlagGems' choice (and than the bar row) on none of "
+        f"{len(heldout)} held-out routing instances, and faster pooled over them",
+    )  # fmt: skip
+
+
+def _parity_record(
+    replay: Sequence[Arm],
+    arm: Arm,
+    held: tuple[verdict.Verdict, list[dict[str, Any]], int],
+    n_heldout: int,
+    why: str,
+) -> PointDecision | None:
+    """A parity record for ``arm`` from its pooled verdict (``_pooled``), if faster pooled."""
+    pooled, validation, even = held
     if pooled.speedup is None or not pooled.speedup > 1.0:
         return None
+    base, _ = copies_of(replay)
+    assert base is not None
     base_us = verdict.median(base.samples) if base.samples else None
     return PointDecision(
-        "parity", row.config_hash, row.run_id, pooled.speedup, pooled.low, pooled.high,
-        pooled.noise_band, verdict.median(row.samples), base_us,
-        at_least_even / len(heldout), validation,
-        reason=f"the peer row is slower than FlagGems' choice on none of the replay and "
-        f"{len(heldout)} held-out routing instances, and faster pooled over them "
-        f"({pooled.speedup:.4f}x)",
+        "parity", arm.config_hash, arm.run_id, pooled.speedup, pooled.low, pooled.high,
+        pooled.noise_band, verdict.median(arm.samples), base_us, even / n_heldout, validation,
+        reason=f"{why} ({pooled.speedup:.4f}x)",
     )  # fmt: skip
 
 
 def decide(arms: Iterable[Arm], *, heldout_min: int = HELDOUT_MIN, rule: int = 1) -> PointDecision:
     """The decision of one point from all its arms (see the module docstring; ``rule`` 2
-    adds the parity record)."""
+    adds the peer row's parity record, 3 the replay's choice's)."""
     by_comp: dict[str, list[Arm]] = {}
     for a in arms:
         by_comp.setdefault(a.comparison, []).append(a)
@@ -308,7 +381,123 @@ def decide(arms: Iterable[Arm], *, heldout_min: int = HELDOUT_MIN, rule: int = 1
     if rule < 2 or first.status != "baseline":
         return first
     heldout = sorted(n for n in by_comp if n.startswith("heldout-"))
-    return _parity(by_comp, heldout, heldout_min) or first
+    peer = _parity(by_comp, heldout, heldout_min)
+    if peer is not None or rule < 3:
+        return peer or first
+    return _choice_parity(by_comp, heldout, heldout_min) or first
+
+
+#: Prefix of the comparisons of a key reconciliation (``mxdb.tune.reconcile``): one per trace.
+KEY_PREFIX = "key-"
+
+
+def is_key_point(arms: Iterable[Arm]) -> bool:
+    """Whether these arms are a key reconciliation's (every comparison ``key-N``)."""
+    names = {a.comparison for a in arms}
+    return bool(names) and all(n.startswith(KEY_PREFIX) for n in names)
+
+
+def decide_key(arms: Iterable[Arm]) -> PointDecision:
+    """The decision of a key reconciliation: one config for every trace of a routing class.
+
+    Each comparison ``key-N`` times FlagGems' choice (and its copies), every config decided at
+    the key and the peers' table rows on one trace of the key.  A config (candidate or peer
+    row) is ``verified`` when it is correct and faster than FlagGems' choice on every trace,
+    ``parity`` when it is slower on none and faster pooled over all of them (each arm's rounds
+    concatenated, as rule 2 pools); either way it must be slower, on no trace, than a peer row
+    that is itself faster than FlagGems' choice there.  Of the configs that hold, a verified one
+    before a parity one, then the larger pooled speedup (ties: the smaller run id of its first
+    comparison).  None holds: a ``baseline`` record.  Every config timed was already decided
+    at the key by a point of its own, so the choice among them is a choice among few.
+    Confidence: the fraction of traces on which the config was faster.
+    """
+    by_comp: dict[str, list[Arm]] = {}
+    for a in arms:
+        by_comp.setdefault(a.comparison, []).append(a)
+    names = sorted(by_comp, key=lambda n: (len(n), n))
+    if not names:
+        return PointDecision(
+            "none", None, None, None, None, None, None, None, None, None,
+            reason="nothing was compared with FlagGems' choice",
+        )  # fmt: skip
+    first = by_comp[names[0]]
+    base, first_copies = copies_of(first)
+    base_us = verdict.median(base.samples) if base is not None and base.samples else None
+    hashes = sorted(
+        {a.config_hash for a in first if a.role in ("candidate", "peer")}
+        - ({base.config_hash} if base is not None else set())
+    )
+    if base is None or len(first_copies) < 2 or not hashes:
+        return PointDecision(
+            "none", None, None, None, None, None, None, None, base_us, None,
+            reason="nothing was compared with FlagGems' choice",
+        )  # fmt: skip
+    # per trace, the peer rows faster than FlagGems' choice there: bars for every config
+    bars: dict[str, list[str]] = {}
+    for n in names:
+        _, copies = copies_of(by_comp[n])
+        samples = [list(c.samples) for c in copies]
+        bars[n] = [
+            a.config_hash
+            for a in by_comp[n]
+            if a.role == "peer"
+            and usable(a)
+            and len(samples) >= 2
+            and verdict.compare(samples, a.samples, margin=a.margin).faster
+        ]
+    held: list[tuple[int, float, str, PointDecision]] = []
+    band = None
+    for h in hashes:
+        won = 0
+        ok = True
+        for n in names:
+            comp = by_comp[n]
+            _, copies = copies_of(comp)
+            arm = next((a for a in comp if a.config_hash == h and usable(a)), None)
+            if arm is None or len(copies) < 2:
+                ok = False
+                break
+            v = verdict.compare([list(c.samples) for c in copies], arm.samples, margin=arm.margin)
+            band = v.noise_band if band is None else band
+            if v.slower or _slower_than_peers(comp, arm, bars[n], v):
+                ok = False
+                break
+            won += v.faster
+        if not ok:
+            continue
+        pooled = _pooled(by_comp, names, h, [])
+        if pooled is None:
+            continue
+        pv, _, _ = pooled
+        if pv.speedup is None or not (won == len(names) or pv.speedup > 1.0):
+            continue
+        status: DecisionStatus = "verified" if won == len(names) else "parity"
+        records = []
+        for n in names:
+            comp = by_comp[n]
+            _, copies = copies_of(comp)
+            arm = next(a for a in comp if a.config_hash == h and usable(a))
+            v = verdict.compare([list(c.samples) for c in copies], arm.samples, margin=arm.margin)
+            records.append(_record(n, arm, v, v.faster))
+        ev = next(a for a in first if a.config_hash == h)
+        pooled_arm = [x for n in names for a in by_comp[n] if a.config_hash == h for x in a.samples]
+        d = PointDecision(
+            status, h, ev.run_id, pv.speedup, pv.low, pv.high, pv.noise_band,
+            verdict.median(pooled_arm), base_us, won / len(names), records,
+            reason=f"{'faster than' if status == 'verified' else 'at parity with'} FlagGems' "
+            f"choice on every one of {len(names)} traces of the key ({won} faster), "
+            f"{pv.speedup:.4f}x pooled",
+        )  # fmt: skip
+        held.append((status == "verified", pv.speedup, ev.run_id, d))
+    if not held:
+        return PointDecision(
+            "baseline", base.config_hash, base.run_id, 1.0, None, None, band, base_us,
+            base_us, None,
+            reason=f"no config decided at the key holds on all {len(names)} of its traces",
+        )  # fmt: skip
+    # the verified first, then the larger pooled speedup, then the smaller run id
+    held.sort(key=lambda t: (not t[0], -t[1], t[2]))
+    return held[0][3]
 
 
 def _slower_than_peers(

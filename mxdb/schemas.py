@@ -27,7 +27,7 @@ DIALECT = "https://json-schema.org/draft/2020-12/schema"
 REGISTRY: dict[str, tuple[str, str, str]] = {
     "workload": ("mxdb.tune.workload:Workload", "1.4", "validation"),
     "trace": ("mxdb.evidence.models:TraceDoc", "1.0", "serialization"),
-    "run": ("mxdb.evidence.models:RunRecord", "1.2", "serialization"),
+    "run": ("mxdb.evidence.models:RunRecord", "1.3", "serialization"),
     "manifest": ("mxdb.evidence.models:Manifest", "1.0", "serialization"),
     "fingerprint": ("mxdb.evidence.models:FingerprintDoc", "1.1", "serialization"),
     "signature": ("mxdb.evidence.models:SignatureDoc", "1.0", "serialization"),

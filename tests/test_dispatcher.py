@@ -217,7 +217,7 @@ def test_every_answer_with_an_entry_has_a_reason_the_peers_audit_knows(store: St
     calls = [(4, "uniform"), (64, "skewed"), (512, "uniform"), (2600, "uniform"), (280, "skewed")]
     reasons = {disp.dispatch(SHAPE.with_tokens(m), c).reason for m, c in calls}
     assert reasons == {
-        "exact_match", "adjacent_routing", "peer_parity", "neighbour_tokens",
+        "exact_match", "adjacent_routing", "parity", "neighbour_tokens",
         "neighbour_tokens_adjacent_routing",
     }  # fmt: skip
     assert reasons <= set(ENTRY_REASONS)

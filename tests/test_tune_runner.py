@@ -410,7 +410,7 @@ def test_a_peer_row_at_parity_is_stored_dispatched_and_audited(tmp_path: Path) -
         assert entry.validation and all(v["won"] for v in entry.validation)
         shape = MoEShape(128, 2048, 768, 8, 16, "bf16")
         d = Dispatcher(store, _TieWithPeer(peer.hash).fingerprint()).dispatch(shape, "uniform")
-        assert (d.reason, d.level, d.config.hash) == ("peer_parity", "exact", peer.hash)
+        assert (d.reason, d.level, d.config.hash) == ("parity", "exact", peer.hash)
         # a neighbouring token count is not answered by it
         assert (
             Dispatcher(store, _TieWithPeer(peer.hash).fingerprint())
@@ -421,7 +421,7 @@ def test_a_peer_row_at_parity_is_stored_dispatched_and_audited(tmp_path: Path) -
     (bundle,) = rep.bundles
     assert not audit_bundle(Path(bundle)).findings
     runs = list((Path(bundle) / "runs").glob("*.json"))
-    assert {json.loads(r.read_text())["schema_version"] for r in runs} == {"1.2"}
+    assert {json.loads(r.read_text())["schema_version"] for r in runs} == {"1.3"}  # rule 3
     # the bundle's export may not claim more than parity
     exp = Path(bundle) / "store_export.json"
     doc = json.loads(exp.read_text())
@@ -531,7 +531,7 @@ def test_a_later_tune_of_the_same_trace_supersedes_the_earlier_decision(tmp_path
         assert "superseded by a later tune of trace" in rows["rejected"].stale_reason
         shape = MoEShape(128, 2048, 768, 8, 16, "bf16")
         d = Dispatcher(store, _TieWithPeer(peer.hash).fingerprint()).dispatch(shape, "uniform")
-        assert (d.reason, d.config.hash) == ("peer_parity", peer.hash)
+        assert (d.reason, d.config.hash) == ("parity", peer.hash)
     from mxdb.audit import audit_paths
 
     assert audit_paths([tmp_path / "a", tmp_path / "b"]).findings == ()

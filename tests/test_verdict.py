@@ -265,3 +265,51 @@ def test_rule_2_keeps_flaggems_choice_where_the_peer_row_is_not_at_parity() -> N
         for a in _comparison(f"heldout-{i + 1}", {**COPIES, "cand": ("candidate", "W", 92.0)})
     ]
     assert pointverdict.decide([*replay, *held], rule=2).status == "verified"
+
+
+def _choice_point(held_us: list[float], peer: tuple[float, list[float]] | None = None) -> list[Arm]:
+    """A point whose replay chose W (97 against FlagGems' 100), timed at ``held_us[i]`` on
+    held-out instance i; ``peer``: vLLM's row on the replay and on each instance."""
+    arms = {**COPIES, "fin01": ("candidate", "W", 97.0)}
+    if peer is not None:
+        arms["fin02"] = ("peer", "P", peer[0])
+    out = _comparison("replay", arms)
+    for i, us in enumerate(held_us):
+        inst = {**COPIES, "cand": ("candidate", "W", us)}
+        if peer is not None:
+            inst["peer"] = ("peer", "P", peer[1][i])
+        out += _comparison(f"heldout-{i + 1}", inst, seed=i + 31)
+    return out
+
+
+def test_rule_3_answers_the_choice_that_lost_its_verification_to_a_tie() -> None:
+    arms = _choice_point([97.0, 99.9, 97.5])  # even with FlagGems' choice on instance 2
+    assert pointverdict.decide(arms, rule=2).status == "baseline"
+    d = pointverdict.decide(arms, rule=3)
+    assert d.status == "parity" and d.config_hash == "W" and d.evidence == "replay-fin01"
+    # pooled over the held-out instances only: (97 + 99.9 + 97.5) / 3 against 100
+    assert d.speedup == pytest.approx(100 / 98.1, rel=0.01)
+    assert [v["comparison"] for v in d.validation] == ["heldout-1", "heldout-2", "heldout-3"]
+    assert d.confidence == 1.0 and "held-out" in d.reason
+    # a verified point is unchanged by rule 3
+    assert pointverdict.decide(_choice_point([97.0, 97.5, 97.2]), rule=3).status == "verified"
+
+
+def test_rule_3_keeps_flaggems_choice_where_the_choice_lost_an_instance() -> None:
+    # slower than FlagGems' choice on one held-out instance
+    assert pointverdict.decide(_choice_point([97.0, 103.0, 97.5]), rule=3).status == "baseline"
+    # timed on fewer held-out instances than required
+    assert pointverdict.decide(_choice_point([97.0, 99.9]), rule=3).status == "baseline"
+    # slower than the peer row that set the bar on an instance (the row itself lost one to
+    # FlagGems' choice, so it is no parity record either)
+    bar = (99.0, [101.5, 95.0, 97.0])
+    assert pointverdict.decide(_choice_point([97.0, 99.9, 97.5], bar), rule=3).status == (
+        "baseline"
+    )
+
+
+def test_run_schema_names_the_rule() -> None:
+    assert pointverdict.RUN_SCHEMA_OF_RULE[pointverdict.RULE] == "1.3"
+    for rule, version in pointverdict.RUN_SCHEMA_OF_RULE.items():
+        assert pointverdict.rule_of_run_schema(version) == rule
+    assert pointverdict.rule_of_run_schema("1.0") == pointverdict.rule_of_run_schema(None) == 1

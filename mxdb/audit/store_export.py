@@ -102,16 +102,11 @@ def check_store_export(
 
 
 def decision_rule(runs: Iterable[Mapping[str, Any]]) -> int:
-    """The point decision rule a point's runs were written under: run schema 1.2 and later is
-    rule 2 (the parity record), earlier versions rule 1.  Mixed versions take the lower rule."""
-
-    def version(r: Mapping[str, Any]) -> tuple[int, ...]:
-        try:
-            return tuple(int(x) for x in str(r.get("schema_version")).split("."))
-        except ValueError:
-            return (0,)
-
-    return 2 if all(version(r) >= (1, 2) for r in runs) else 1
+    """The point decision rule a point's runs were written under
+    (``pointverdict.RUN_SCHEMA_OF_RULE``: run schema 1.2 rule 2, 1.3 rule 3, earlier rule 1).
+    Mixed versions take the lower rule."""
+    rules = [pointverdict.rule_of_run_schema(str(r.get("schema_version"))) for r in runs]
+    return min(rules) if rules else 1
 
 
 def decisions(
@@ -133,12 +128,19 @@ def _decided(
     for point in sorted(by_point):
         members = by_point[point]
         arms = [pointverdict.arm_from_run(r, run_passes(r)) for r in members]
-        d = pointverdict.decide(arms, rule=decision_rule(members))
+        # a key reconciliation (comparisons key-N) is decided over all its traces at once
+        key_point = pointverdict.is_key_point(arms)
+        d = (
+            pointverdict.decide_key(arms)
+            if key_point
+            else pointverdict.decide(arms, rule=decision_rule(members))
+        )
+        first = f"{pointverdict.KEY_PREFIX}1" if key_point else "replay"
         base = next(
             (
                 r
                 for r in members
-                if r["role"] == "baseline" and (r.get("comparison") or "replay") == "replay"
+                if r["role"] == "baseline" and (r.get("comparison") or "replay") == first
             ),
             None,
         )

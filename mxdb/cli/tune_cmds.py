@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -79,6 +80,13 @@ def _require_gpu_packages() -> None:
     "tests; its results are not real measurements).",
 )
 @click.option("--no-progress", is_flag=True, help="Do not draw the progress bar on stderr.")
+@click.option(
+    "--reconcile",
+    is_flag=True,
+    help="Do not tune: decide once, over all their traces, the keys this workload's finished "
+    "tune measured on several traces (routing sources of one class) and decided differently; "
+    "their earlier rows become rejected (see mxdb.tune.reconcile).",
+)
 @model_options(
     "A Hugging Face config.json (or its folder): tune this model's per-shard MoE shape "
     "instead of the workload's models (token counts, routings and search from the workload)."
@@ -93,6 +101,7 @@ def tune_cmd(
     devices: str | None,
     backend: str,
     no_progress: bool,
+    reconcile: bool,
     model_config: Path | None,
     tp: int,
     ep: int,
@@ -133,6 +142,9 @@ def tune_cmd(
         factory = functools.partial(FakeBackend, seed=wl.seed)
     else:
         factory = gpu_backend_factory  # type: ignore[assignment]
+    if reconcile:
+        _reconcile(wl, db, out_dir, factory, as_json)
+        return
     report = tune(
         wl,
         store_url=db,
@@ -160,3 +172,42 @@ def tune_cmd(
         click.echo(f"evidence: {report.bundle}")
     if report.points_done < report.points_total:
         click.echo("budget ran out: run the same command again to finish", err=True)
+
+
+def _reconcile(wl: Any, db: str | None, out_dir: str, factory: Any, as_json: bool) -> None:
+    from mxdb.store import Store
+    from mxdb.tune.reconcile import reconcile
+    from mxdb.tune.runner import _raw_url, job_name
+
+    backend = factory()
+    try:
+        job = job_name(wl, backend.fingerprint())
+        with Store.open(db) as store:
+            states = store.points(job)
+            url = db or _raw_url(store)
+        pending = sum(1 for s in states if s.state != "done")
+        if not states or pending:
+            raise UsageError(
+                f"--reconcile decides the keys of a finished tune; job {job} has "
+                f"{len(states)} points, {pending} not done: run mxdb tune {wl.name!r} first"
+            )
+        report = reconcile(wl, backend, url, out_dir)
+    finally:
+        close = getattr(backend, "close", None)
+        if close is not None:
+            close()
+    if as_json:
+        emit_json(report.to_dict())
+        return
+    click.echo(
+        f"{report.job}: {report.keys} key(s) decided over their traces, {report.seconds:.1f} s"
+    )
+    for d in report.decisions:
+        click.echo(
+            f"  {d['family']} M={d['tokens']} {d['routing_class']}: {d['status']} "
+            f"{d['config_hash']} {d['speedup']:.3f}x (won {d['confidence']:.2f} of its traces)"
+            if d["speedup"] is not None and d["confidence"] is not None
+            else f"  {d['family']} M={d['tokens']} {d['routing_class']}: {d['status']}"
+        )
+    if report.bundle:
+        click.echo(f"evidence: {report.bundle}")

@@ -30,7 +30,7 @@ KNOWN_VERSIONS: dict[str, tuple[str, ...]] = {
     "mxdb.manifest": ("1.0",),
     "mxdb.fingerprint": ("1.0", "1.1"),
     "mxdb.trace": ("1.0",),
-    "mxdb.run": ("1.0", "1.1", "1.2"),
+    "mxdb.run": ("1.0", "1.1", "1.2", "1.3"),
     "mxdb.summary": ("1.0", "1.1"),
     "mxdb.report": ("1.0",),
     "mxdb.signature": ("1.0",),
@@ -186,11 +186,12 @@ class RunRecord(_Doc):
     """``runs/<run_id>.json``: one measured or failed candidate; failures are results too.
 
     The version names the point decision rule the bundle's store export was made by
-    (``mxdb.pointverdict``): 1.1 rule 1, 1.2 rule 2 (the parity record); same fields.
+    (``mxdb.pointverdict.RUN_SCHEMA_OF_RULE``): 1.1 rule 1, 1.2 rule 2 (the peer row's parity
+    record), 1.3 rule 3 (the replay choice's parity record); same fields.
     """
 
     schema_name: Literal["mxdb.run"] = Field(default="mxdb.run", alias="schema")
-    schema_version: Literal["1.0", "1.1", "1.2"] = "1.2"
+    schema_version: Literal["1.0", "1.1", "1.2", "1.3"] = "1.3"
     run_id: str = Field(pattern=_ID)
     milestone: str = Field(min_length=1)
     op: Literal["fused_moe"] = "fused_moe"

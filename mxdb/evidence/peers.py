@@ -130,7 +130,8 @@ ENTRY_REASONS: tuple[str, ...] = (
     "adjacent_routing",
     "neighbour_tokens",
     "neighbour_tokens_adjacent_routing",
-    "peer_parity",
+    "parity",
+    "peer_parity",  # the same, as earlier versions recorded it
 )
 #: The labels of a point's runs; ``d`` is absent where mxdb's choice ignores the routing.
 LABELS: tuple[str, ...] = ("a", "b", "c", "d", "ctl1", "ctl2")

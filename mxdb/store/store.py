@@ -851,6 +851,16 @@ class Store:
 
         return self._write("completing a work point", fn)
 
+    def point_payloads(self, job: str) -> list[tuple[str, dict[str, Any]]]:
+        """Every point of ``job`` with its payload, by key."""
+        with self._read("reading work points") as conn:
+            rows = conn.execute(
+                select(points_t.c.key, points_t.c.payload)
+                .where(points_t.c.job == job)
+                .order_by(points_t.c.key)
+            ).all()
+        return [(str(r[0]), json.loads(r[1])) for r in rows]
+
     def points(self, job: str) -> list[PointState]:
         """Every point of ``job``, by key."""
         with self._read("reading work points") as conn:

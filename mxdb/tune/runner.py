@@ -756,6 +756,32 @@ def _decision_rule(ms: Sequence[Measurement]) -> int:
     return min((m.decision_rule or 1) for m in ms) if ms else 1
 
 
+def record_run(w: Any, m: Measurement, shape: MoEShape, schema_version: str | None) -> None:
+    """Write measurement ``m`` (of ``shape``'s family) as a run of bundle writer ``w``."""
+    w.record(
+        run_id=m.run_id,
+        shape=shape.with_tokens(m.tokens),
+        routing_class=m.routing_class,
+        config=m.config,
+        role=m.role,
+        status=m.status,
+        trace_hash=m.trace_hash,
+        seed=m.seed,
+        samples_us=m.samples_us or None,
+        timing_method=_METHOD.get(m.timing_method or "graph", "cuda_graph_replay"),
+        max_abs_err=m.max_abs_err,
+        rel_err=m.rel_err,
+        error=m.error,
+        pair_id=m.run_id.rsplit("-", 1)[0] if m.role == "control" else None,
+        fidelity=m.fidelity,
+        point=m.point,
+        comparison=m.comparison,
+        margin=m.margin,
+        order_seed=m.order_seed,
+        schema_version=schema_version,
+    )
+
+
 def write_bundles(
     store: Store,
     job: str,
@@ -821,42 +847,20 @@ def write_bundle(
         extra = extras[p.key] if extras is not None else validation_traces(workload, p, replay)
         for t in (replay, synthetic, *extra["heldout"], *extra["neighbours"], *extra["classes"]):
             w.add_trace(t.ids, experts=p.shape.experts, generator=t.generator)
-        # the run schema names the decision rule of each point: 1.2 rule 2, 1.1 rule 1
+        # the run schema names the decision rule of each point (pointverdict.RUN_SCHEMA_OF_RULE)
         by_point: dict[str, list[Measurement]] = {}
         for m in ms:
             if m.point:
                 by_point.setdefault(m.point, []).append(m)
         rule_versions = {
-            k: ("1.2" if _decision_rule(v) >= 2 else "1.1") for k, v in by_point.items()
+            k: pointverdict.RUN_SCHEMA_OF_RULE[_decision_rule(v)] for k, v in by_point.items()
         }
         for m in ms:
             # the bundle holds the replayed comparison and every failure; the synthetic
             # rungs' timings stay in the store
             if m.status == "ok" and m.comparison is None and m.max_abs_err is None:
                 continue
-            rid = m.run_id
-            w.record(
-                run_id=rid,
-                shape=p.shape.with_tokens(m.tokens),
-                routing_class=m.routing_class,
-                config=m.config,
-                role=m.role,
-                status=m.status,
-                trace_hash=m.trace_hash,
-                seed=m.seed,
-                samples_us=m.samples_us or None,
-                timing_method=_METHOD.get(m.timing_method or "graph", "cuda_graph_replay"),
-                max_abs_err=m.max_abs_err,
-                rel_err=m.rel_err,
-                error=m.error,
-                pair_id=rid.rsplit("-", 1)[0] if m.role == "control" else None,
-                fidelity=m.fidelity,
-                point=m.point,
-                comparison=m.comparison,
-                margin=m.margin,
-                order_seed=m.order_seed,
-                schema_version=rule_versions.get(m.point or ""),
-            )
+            record_run(w, m, p.shape, rule_versions.get(m.point or ""))
     used = {e.fingerprint_hash for e in entries if e.fingerprint_hash}
     w.set_store_export(
         StoreExport(fingerprints={h: fp for h in used if h == fp.hash}, entries=list(entries))
