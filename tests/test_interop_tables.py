@@ -671,3 +671,28 @@ def test_fingerprint_documents_record_the_table_outside_the_hash() -> None:
     # the table is data: the fingerprint and its hash are the same with or without it
     assert parse_fingerprint(written) == fp
     assert parse_fingerprint({**fp.components(), "hash": fp.hash, "data": {"x": "y"}}) == fp
+
+
+def test_a_parity_entry_the_tables_cannot_hold_writes_the_single_beside_it(db: str) -> None:
+    from mxdb.interop import tables
+
+    fp = Fingerprint(vendor="nvidia", device_name="NVIDIA H200", triton="3.6.0")
+    store = Store.open(db)
+    store.put_fingerprint(fp)
+    shape = MoEShape(8, 4096, 14336, 2, 4, "bf16")
+    sliced = KernelConfig.fused_slice(block_m=16, block_i=64, block_k=256, block_h=256)
+    single = KernelConfig.uniform(_g(16, 64, 128))
+    # a reconciled key: its dispatchable row is a parity record of fused_slice
+    store.add_entries([
+        _entry(fp, shape, sliced, "parity", speedup=1.02, source="reconcile"),
+        _entry(fp, shape, single, "imported", speedup=1.03, source=SINGLE_SOURCE),
+    ])  # fmt: skip
+    built = tables.build(store, fp.hash)
+    row = built.tables[(8, 14336)].rows[4]
+    assert (row.source, row.config) == ("single", single.gemm1)
+    # without a single beside it: FlagGems' choice, never the fused_slice tiles
+    store2 = Store.open(db.replace(".sqlite", "-2.sqlite"))
+    store2.put_fingerprint(fp)
+    store2.add_entries([_entry(fp, shape, sliced, "parity", source="reconcile")])
+    row2 = tables.build(store2, fp.hash).tables[(8, 14336)].rows[4]
+    assert (row2.source, row2.config) == ("baseline-config", flaggems_default_config(shape))

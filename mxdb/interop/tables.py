@@ -191,6 +191,9 @@ def _measured_row(at_key: list[Entry], notes: list[str]) -> Row | None:
         cfg = _uniform_gemm(best)
         assert cfg is not None
         return Row(cfg, "verified", best.id)
+    # a verified or parity entry the tables cannot express (another implementation, a split
+    # config): the best single config measured beside it, else FlagGems' choice
+    verified += [e for e in at_key if e.status == "parity"]
     if not verified:
         return None
     singles = [e for e in at_key if e.source == SINGLE_SOURCE and _uniform_gemm(e) is not None]
