@@ -18,9 +18,11 @@ from mxdb.errors import InvalidInputError
 from mxdb.interop import flaggems, vllm
 from mxdb.interop.export import (
     ExportOptions,
+    StoreExport,
     export_store,
     import_export,
     import_vllm,
+    overlay,
     read_export,
 )
 from mxdb.models import Entry, Fingerprint
@@ -254,3 +256,63 @@ def test_cli_import_export(tmp_path: Path) -> None:
         text=True,
     )
     assert bad.returncode == 2 and "csv" in bad.stderr
+
+
+def _exported(entries: list[tuple[int, str, str]]) -> StoreExport:
+    """An export of fp16 Qwen3-shaped entries (tokens, routing class, status)."""
+    shape = MoEShape(128, 2048, 768, 8, 16, "fp16")
+    out = []
+    for m, cls, status in entries:
+        cfg = KernelConfig.uniform(GemmConfig(block_m=16, block_n=64 if m % 2 else 32, block_k=64))
+        e = Entry(
+            dtype="fp16", family=shape.family, dims=shape.with_tokens(m).dims(), tokens=m,
+            routing_class=cls, config=cfg.model_dump(), config_hash=cfg.hash,
+            fingerprint_hash=FP.hash, status=status, source="tune", speedup=1.1,  # type: ignore[arg-type]
+        )  # fmt: skip
+        out.append(e)
+    return StoreExport(fingerprints={FP.hash: FP}, entries=out)
+
+
+KEYS = st.lists(
+    st.tuples(
+        st.integers(1, 6),
+        st.sampled_from(["uniform", "skewed", "hot"]),
+        st.sampled_from(["verified", "baseline", "parity"]),
+    ),
+    max_size=12,
+)
+
+
+@given(base=KEYS, top=KEYS)
+def test_overlay_replaces_exactly_the_keys_the_top_holds(
+    base: list[tuple[int, str, str]], top: list[tuple[int, str, str]]
+) -> None:
+    b, t = _exported(base), _exported(top)
+    doc = overlay(b, t)
+    held = {(m, c) for m, c, _ in top}
+    got = [(e.tokens, e.routing_class, e.status) for e in doc.entries]
+    assert got == [k for k in base if k[:2] not in held] + top
+    assert [e.id for e in doc.entries] == list(range(1, len(got) + 1))
+    assert doc.fingerprints == {FP.hash: FP}
+
+
+def test_export_merge_lays_the_store_over_an_export(store: Store, tmp_path: Path) -> None:
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(
+        _exported([(2, "uniform", "baseline"), (4, "uniform", "verified")]).to_json()
+    )
+    store.put_fingerprint(FP)
+    store.add_entries(_exported([(2, "uniform", "verified")]).entries)
+    out = tmp_path / "shipped.json"
+    export_store(store, "mxdb", out, ExportOptions(merge=earlier))
+    doc = read_export(out)
+    assert [(e.tokens, e.status) for e in doc.entries] == [(4, "verified"), (2, "verified")]
+    # the table formats have no such thing; a missing file is named
+    run = [sys.executable, "-m", "mxdb", "export", "--db", f"sqlite:///{tmp_path / 'mxdb.sqlite'}"]
+    bad = subprocess.run([*run, "--format", "vllm", "--fingerprint", FP.hash, "--out",
+                          str(tmp_path / "v"), "--merge", str(earlier)],
+                         capture_output=True, text=True)  # fmt: skip
+    assert bad.returncode == 2 and "--merge applies to --format flaggems and mxdb" in bad.stderr
+    gone = subprocess.run([*run, "--format", "mxdb", "--out", str(tmp_path / "x.json"),
+                           "--merge", str(tmp_path / "nope.json")], capture_output=True, text=True)  # fmt: skip
+    assert gone.returncode == 2 and "nope.json" in gone.stderr

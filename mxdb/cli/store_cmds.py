@@ -268,7 +268,9 @@ def import_mxdb_cmd(path: Path, db: str | None, as_json: bool) -> None:
 @click.option(
     "--merge",
     type=click.Path(dir_okay=False, path_type=Path),
-    help="flaggems: merge into this table document, keeping its other devices, keys and _FALLBACK.",
+    help="flaggems: merge into this table document, keeping its other devices, keys and "
+    "_FALLBACK. mxdb: lay this store over this mxdb export: its entries at the keys this store "
+    "holds are replaced, the others kept.",
 )
 @click.option(
     "--install",
@@ -303,8 +305,10 @@ def export_cmd(
     from mxdb.interop.export import ExportOptions, export_store
     from mxdb.store import Store
 
-    if fmt != "flaggems" and (merge is not None or install):
-        raise UsageError("--merge and --install apply to --format flaggems only")
+    if fmt == "vllm" and merge is not None:
+        raise UsageError("--merge applies to --format flaggems and mxdb only")
+    if fmt != "flaggems" and install:
+        raise UsageError("--install applies to --format flaggems only")
     if fmt != "vllm" and imported:
         raise UsageError("--imported applies to --format vllm only")
     if install and out is not None:

@@ -70,7 +70,8 @@ class ExportOptions:
     fingerprint_hash: str | None = None
     #: vllm: write the imported vLLM tables back as read (every device), not tuned rows
     imported: bool = False
-    #: flaggems: a table document to merge into (its other devices, keys, _FALLBACK kept)
+    #: flaggems: a table document to merge into (its other devices, keys, _FALLBACK kept);
+    #: mxdb: an export to lay this store over (``overlay``)
     merge: Path | None = None
     #: flaggems: write FlagGems' own file (merging into it), with a backup
     install: bool = False
@@ -118,6 +119,23 @@ def build_export(
     used = {e.fingerprint_hash for e in entries if e.fingerprint_hash}
     fps = {h: fp for h, fp in store.fingerprints().items() if h in used}
     return StoreExport(fingerprints=fps, entries=entries)
+
+
+def _key(e: Entry) -> tuple[Any, ...]:
+    return (e.op, e.dtype, e.family, e.tokens, e.routing_class)
+
+
+def overlay(base: StoreExport, top: StoreExport) -> StoreExport:
+    """``top`` laid over ``base``: ``top``'s entries, and ``base``'s at the keys (op, dtype,
+    family, M, routing class) ``top`` holds none at; every fingerprint either names.  Ids are
+    renumbered in that order (an import assigns its own).  How a store re-tuned at some keys
+    replaces an earlier export there and keeps the rest."""
+    held = {_key(e) for e in top.entries}
+    entries = [e for e in base.entries if _key(e) not in held] + list(top.entries)
+    entries = [e.model_copy(update={"id": i}) for i, e in enumerate(entries, 1)]
+    return top.model_copy(
+        update={"fingerprints": {**base.fingerprints, **top.fingerprints}, "entries": entries}
+    )
 
 
 def read_export(path: str | Path) -> StoreExport:
@@ -260,6 +278,8 @@ def export_store(
     if fmt == "mxdb":
         assert out_path is not None
         doc = build_export(store, opts.statuses, singles=opts.singles)
+        if opts.merge is not None:
+            doc = overlay(read_export(opts.merge), doc)
         target = out_path / "mxdb-export.json" if out_path.is_dir() else out_path
         atomic_write_text(target, doc.to_json() + "\n")
         report.files.append(str(target))
