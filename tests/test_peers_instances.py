@@ -578,6 +578,39 @@ def test_sparse_workload_covers_the_class_heldout_zipf_instances_of_qwen3_fall_i
             assert str(classify(features(ids, 128))) == "sparse", (m, i)
 
 
+def test_skewed2_and_decode_workloads_cover_the_keys_they_say() -> None:
+    from mxdb.configs import FUSED_SLICE_MAX_SLOTS
+    from mxdb.routing import classify, features
+    from mxdb.tune.runner import build_points, validation_traces
+    from mxdb.tune.workload import load_workload
+
+    peers = _load("peers.py")
+    base = load_workload(REPO / "examples" / "workloads" / "h200-peers.yaml")
+    # the decode workload is h200-peers.yaml at the M where fused_slice is searched for Qwen3
+    decode = load_workload(REPO / "examples" / "workloads" / "h200-peers-decode.yaml")
+    assert decode.search == base.search and decode.routings == base.routings
+    assert decode.models == base.models and decode.tokens == [1, 2, 4, 8, 16, 32, 64]
+    assert max(decode.tokens) * 8 == FUSED_SLICE_MAX_SLOTS and len(decode.points()) == 42
+    # skewed2: one Qwen3 point at M = 2 whose replay and held-out instances are all `skewed`
+    wl = load_workload(REPO / "examples" / "workloads" / "h200-peers-skewed2.yaml")
+    assert wl.search == base.search
+    ((p, replay, _),) = build_points(wl)
+    assert (p.shape.experts, p.shape.topk, p.shape.tokens) == (128, 8, 2)
+    assert replay.routing_class == "skewed"
+    assert {t.routing_class for t in validation_traces(wl, p, replay)["heldout"]} == {"skewed"}
+    # ... the class all three held-out Zipf instances of the peers comparison fall in at M = 2,
+    # which h200-peers.yaml's sources do not reach there
+    for i in range(3):
+        seed = peers.heldout_seed("qwen3-30b-a3b", 2, "zipf", i)
+        ids = generate("logits", 2, 128, 8, seed=seed, **peers.HELDOUT["zipf"])
+        assert str(classify(features(ids, 128))) == "skewed", i
+    assert all(
+        r.routing_class != "skewed"
+        for q, r, _ in build_points(base)
+        if q.shape.experts == 128 and q.shape.tokens == 2
+    )
+
+
 def test_sparse_routing_in_a_workload() -> None:
     from mxdb.errors import WorkloadError
     from mxdb.tune.workload import parse_workload

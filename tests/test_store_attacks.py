@@ -1,7 +1,7 @@
 """Attacks on the store a bundle exports, and on imports: each is caught, none is dispatched.
 
 The bundles are the committed H200 tunes behind the shipped store (the peers workload and its
-sparse class, run schema 1.1): the audit rebuilds every exported entry from the runs' raw
+sparse class, the decode workload and its key reconciliation, the skewed M = 2 point): the audit rebuilds every exported entry from the runs' raw
 samples, so an entry that is made up, edited or stripped of its bundle is a finding, even with
 every hash and the manifest recomputed.
 """
@@ -34,7 +34,9 @@ EXPORT = "store_export.json"
 
 @pytest.fixture()
 def bundles(tmp_path: Path) -> Path:
-    assert len(BUNDLES) == 4, BUNDLES  # the three routings of the peers tune, and sparse
+    # the shipped store's tunes: the peers workload's three routings and its sparse class, the
+    # decode workload's three routings and its key reconciliation, and the skewed M = 2 point
+    assert len(BUNDLES) == 9, BUNDLES
     root = tmp_path / "ev"
     for b in BUNDLES:
         shutil.copytree(b, root / b.name)
