@@ -2,11 +2,14 @@
 
 At every tuning point the tuner times its finalists under each implementation, interleaved on
 the point's own trace (``mxdb.tune.search``, stage 4).  This reads those runs (audited raw
-samples, no GPU needed) and prints, per point, the fastest ``flaggems`` config's median over the
-fastest ``fused_act`` config's: how much the implementation dimension adds to config choice.
+samples, no GPU needed) and prints, per point, the fastest config of the implementations
+``--over`` (default ``flaggems``) over the fastest of ``--impl`` (default ``fused_act``): how
+much that implementation adds to config choice among the others.
 
     python benchmarks/impl_gain.py evidence/h200-peers-*-20261201T06* \
         --out benchmarks/results/impl_gain.json
+    python benchmarks/impl_gain.py evidence/h200-peers-decode-*-20261201T1101* \
+        --impl fused_slice --over flaggems,fused_act --out benchmarks/results/impl_gain_slice.json
 """
 
 from __future__ import annotations
@@ -47,14 +50,23 @@ def best_by_impl(bundles: list[Path]) -> dict[tuple[int, int, str], dict[str, fl
     return out
 
 
-def summarize(best: dict[tuple[int, int, str], dict[str, float]]) -> dict[str, Any]:
+def summarize(
+    best: dict[tuple[int, int, str], dict[str, float]],
+    impl: str = "fused_act",
+    over: tuple[str, ...] = ("flaggems",),
+) -> dict[str, Any]:
     rows: list[dict[str, Any]] = [
-        {"experts": e, "tokens": m, "point": p, "ratio": d["flaggems"] / d["fused_act"]}
+        {
+            "experts": e,
+            "tokens": m,
+            "point": p,
+            "ratio": min(d[o] for o in over if o in d) / d[impl],
+        }
         for (e, m, p), d in sorted(best.items())
-        if "flaggems" in d and "fused_act" in d
+        if impl in d and any(o in d for o in over)
     ]
     if not rows:
-        raise SystemExit("no point timed both implementations in these bundles")
+        raise SystemExit(f"no point timed {impl} and any of {', '.join(over)} in these bundles")
     by_family: dict[str, Any] = {}
     for e in sorted({r["experts"] for r in rows}):
         rs = [r for r in rows if r["experts"] == e]
@@ -69,8 +81,8 @@ def summarize(best: dict[tuple[int, int, str], dict[str, float]]) -> dict[str, A
             "by_tokens": {str(m): _geomean(v) for m, v in sorted(by_m.items())},
         }
     return {
-        "what": "per tuning point: fastest flaggems config / fastest fused_act config, replay "
-        "medians of one interleaved comparison on the point's trace",
+        "what": f"per tuning point: fastest {' or '.join(over)} config / fastest {impl} config, "
+        "replay medians of one interleaved comparison on the point's trace",
         "points": len(rows),
         "geomean": _geomean([r["ratio"] for r in rows]),
         "by_family": by_family,
@@ -82,10 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("bundles", nargs="+", type=Path, help="tune bundles (evidence/...)")
     ap.add_argument("--out", type=Path, help="write the figures as JSON here")
+    ap.add_argument("--impl", default="fused_act", help="the implementation whose gain to show")
+    ap.add_argument("--over", default="flaggems", help="comma-separated implementations it beats")
     args = ap.parse_args(argv)
-    res = summarize(best_by_impl(args.bundles))
+    over = tuple(x for x in args.over.split(",") if x)
+    res = summarize(best_by_impl(args.bundles), args.impl, over)
     print(
-        f"{res['points']} points: fastest flaggems / fastest fused_act, geomean {res['geomean']:.4f}"
+        f"{res['points']} points: fastest {' or '.join(over)} / fastest {args.impl}, "
+        f"geomean {res['geomean']:.4f}"
     )
     for fam, f in res["by_family"].items():
         print(
