@@ -68,6 +68,9 @@ def test_reconcile_decides_a_disagreeing_key_once(tmp_path: Path) -> None:
     # before the tune: nothing to reconcile, and it says what to do
     res = run(cli, ["tune", str(path), "--db", url, "--backend", "fake", "--reconcile"])
     assert res.exit_code == 2 and "run mxdb tune 'rk' first" in res.output
+    res = run(cli, ["tune", str(path), "--db", url, "--backend", "fake", "--reconcile",
+                    "--budget", "1"])  # fmt: skip
+    assert res.exit_code == 2 and "drop --devices and --budget" in res.output
     rep = tune(wl, store_url=url, out_dir=tmp_path / "ev", backend_factory=_Faster,
                progress=False)  # fmt: skip
     assert rep.points_done == 2

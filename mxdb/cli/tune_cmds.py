@@ -143,6 +143,11 @@ def tune_cmd(
     else:
         factory = gpu_backend_factory  # type: ignore[assignment]
     if reconcile:
+        if devs or budget is not None:
+            raise UsageError(
+                "--reconcile measures its keys in this process, to the end: drop --devices "
+                "and --budget"
+            )
         _reconcile(wl, db, out_dir, factory, as_json)
         return
     report = tune(
