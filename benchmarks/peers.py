@@ -16,7 +16,8 @@ routing, times per point, interleaved in one process (A B C ... A B C ...):
 a same-config control pair of (c).  GPU time = CUDA-graph replay of the whole layer.  Eager time =
 back-to-back plain calls between events: FlagGems' ``fused_experts_impl`` for (a) against mxdb's
 lean ``MoELayer`` for (c).  The memory-bound floor uses the device-to-device copy bandwidth
-measured in the same run.  Also the dispatch cost: ``mxdb`` dispatch hit against FlagGems'
+measured in the same run; the streaming-read bandwidth measured next to it gives the decode
+floor fraction against reads alone too (``mxdb.peers`` 1.4).  Also the dispatch cost: ``mxdb`` dispatch hit against FlagGems'
 ``try_get_optimal_moe_config``.  The JSON is rewritten after every point.
 
 Routing: with ``--workload`` (the tuning workload of the store, e.g.
@@ -29,8 +30,9 @@ drawn by ``mxdb.routing_gen`` kind ``logits`` with seed ``heldout_seed(preset, M
 own (class, reasons and configs recorded per instance), and timed in its own interleaved
 rounds of random order (order seed = its seed; ``instance_reps`` rounds: about 1.6x one
 instance's rounds pooled, never fewer than ``verdict.MIN_ROUNDS`` per instance).  The raw
-point then holds ``instances``; ``publish`` writes ``mxdb.peers`` 1.3 (the 1.2 layout, judged
-on the held-out targets), whose verdict per point pools the instances' rounds.  The dispatcher answers as the export's
+point then holds ``instances``; ``publish`` writes ``mxdb.peers`` 1.4 (the 1.2 layout, judged
+on the held-out targets, with the streaming-read floor; 1.3 from a raw output without a read
+bandwidth), whose verdict per point pools the instances' rounds.  The dispatcher answers as the export's
 fingerprint that equals this host's (else the export's first one), under the strict policy.
 
 ``publish``: writes the evidence bundle from OUT.json: runs with raw samples, summary, report, and
@@ -109,14 +111,26 @@ def vllm_config(table: dict[str, Any], tokens: int) -> Any:
     return KernelConfig.uniform(GemmConfig.from_triton(raw))
 
 
+def median_time_sample(samples: list[float]) -> float:
+    """The bandwidth sample of the median time (of bytes per second samples of fixed bytes)."""
+    # the slowest-first sample at the middle: the bandwidth of the median time
+    return sorted(samples, reverse=True)[len(samples) // 2]
+
+
 def bandwidth() -> float:
     """Device-to-device copy bandwidth (read + write bytes per second): the sample of the
     median time of 20."""
     from mxdb.kernels.timing import copy_bandwidth_samples
 
-    samples = copy_bandwidth_samples()
-    # the slowest-first sample at the middle: the bandwidth of the median copy time
-    return sorted(samples, reverse=True)[len(samples) // 2]
+    return median_time_sample(copy_bandwidth_samples())
+
+
+def read_bandwidth() -> float:
+    """Streaming-read bandwidth (bytes read per second, a float32 sum over 2 GiB of bf16): the
+    sample of the median time of 20."""
+    from mxdb.kernels.timing import read_bandwidth_samples
+
+    return median_time_sample(read_bandwidth_samples())
 
 
 def dispatch_cost(dispatcher: Any, shape: Any) -> dict[str, float]:
@@ -231,6 +245,7 @@ def run(a: argparse.Namespace) -> None:
         "errors": [],
     }
     doc["bandwidth_bytes_per_s"] = bandwidth()
+    doc["read_bandwidth_bytes_per_s"] = read_bandwidth()
     dispatcher = None
     traces = workload_traces(a.workload) if a.workload and not a.heldout else None
     doc["trace_source"] = f"workload {a.workload}" if traces else "generated, seed = M"
@@ -541,6 +556,7 @@ def publish(raw_path: Path, bundle: Path) -> None:
         rule=raw.get("rule"),
         routing_source=raw.get("trace_source") if raw.get("rule") else None,
         trace_classes=classes or None,
+        read_bandwidth_bytes_per_s=raw.get("read_bandwidth_bytes_per_s"),
     )
     doc = to_json(doc)
     atomic_write(tmp / PEERS_FILE, dumps(doc))

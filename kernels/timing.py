@@ -122,3 +122,13 @@ def copy_bandwidth_samples(reps: int = 20) -> list[float]:
     a = torch.empty(n, dtype=torch.uint8, device="cuda")
     b = torch.empty_like(a)
     return rate_samples(lambda: b.copy_(a), 2 * n, reps=reps)
+
+
+def read_bandwidth_samples(reps: int = 20) -> list[float]:
+    """Streaming-read bandwidth (bytes read per second): a float32 sum over 2 GiB of bf16.
+
+    A copy also writes what it reads; a layer at decode batch sizes mostly reads weights, and
+    some reach more than the copy bandwidth, so floors are reported against both."""
+    n = 1 << 30
+    r = torch.ones(n, dtype=torch.bfloat16, device="cuda")
+    return rate_samples(lambda: r.sum(dtype=torch.float32), 2 * n, reps=reps)

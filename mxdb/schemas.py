@@ -36,11 +36,11 @@ REGISTRY: dict[str, tuple[str, str, str]] = {
     "store-export": ("mxdb.interop.export:StoreExport", "1.3", "serialization"),
     "compile-survey": ("mxdb.evidence.survey:CompileSurvey", "1.1", "serialization"),
     "decode": ("mxdb.evidence.decode:DecodeDoc", "1.0", "serialization"),
-    "peers": ("mxdb.evidence.peers:PeersDoc", "1.3", "serialization"),
+    "peers": ("mxdb.evidence.peers:PeersDoc", "1.4", "serialization"),
     "lean-layer": ("mxdb.evidence.lean_layer:LeanLayerDoc", "1.0", "serialization"),
     "self-healing": ("mxdb.evidence.healing:SelfHealingDoc", "1.0", "serialization"),
     "serving": ("mxdb.evidence.serving:ServingDoc", "1.1", "serialization"),
-    "stages": ("mxdb.evidence.stages:StagesDoc", "1.0", "serialization"),
+    "stages": ("mxdb.evidence.stages:StagesDoc", "1.1", "serialization"),
 }
 
 #: The document name a file declares in its "schema" field -> registry name.

@@ -157,6 +157,25 @@ def test_published_bundle_passes_and_holds_every_figure(published: Path) -> None
     assert "peers.json" in json.loads((published / "manifest.json").read_text())["files"]
 
 
+def test_single_instance_layouts_leave_a_read_bandwidth_out(
+    published: Path, tmp_path: Path
+) -> None:
+    """A raw output with a streaming-read bandwidth (every run measures one now) publishes a
+    single-instance document as before, byte for byte: only schema 1.4 carries it."""
+    raw = _raw()
+    raw["read_bandwidth_bytes_per_s"] = 4.35e12
+    path = tmp_path / "raw.json"
+    path.write_text(json.dumps(raw))
+    bundle = tmp_path / published.name
+    _load("peers.py").publish(path, bundle)
+    for name in ("peers.json", "report/peers.md"):
+        assert (bundle / name).read_bytes() == (published / name).read_bytes(), name
+    doc = json.loads((bundle / "peers.json").read_text())
+    assert doc["schema_version"] == "1.0" and "read_bandwidth_bytes_per_s" not in doc
+    assert "decode_geomean_floor_fraction_c_read" not in doc["figures"]
+    assert audit_codes(bundle) == set()
+
+
 def test_tampered_sample_is_found(bundle: Path) -> None:
     def bump(doc: dict[str, Any]) -> None:
         doc["timing"]["samples_us"] = [x * 1.5 for x in doc["timing"]["samples_us"]]

@@ -3,6 +3,8 @@
 A synthetic raw output of ``benchmarks/peers.py run --heldout --instances 3`` is published and
 audited; edits of pooled figures, per-instance figures, classes and raw samples are findings;
 the pooled verdict differs from the verdict of one instance where the instances disagree.
+With a streaming-read bandwidth in the raw output the document is schema 1.4 (the decode floor
+against reads too); without one it is 1.3, as before.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from mxdb.routing_gen import generate
 ROUNDS = 8
 #: (c)'s speedup over (a) and (b) on each instance of the disputed point: instance luck.
 DISPUTED = (0.97, 1.02, 0.99)
+#: The copy bandwidth of the synthetic runs, and a streaming-read bandwidth above it (schema 1.4).
+COPY_BW, READ_BW = 4.2e12, 4.35e12
 
 
 def _jitter(r: int, salt: int) -> float:
@@ -74,9 +78,10 @@ def _instance(
     }
 
 
-def _raw(instances: int = 3) -> dict[str, Any]:
+def _raw(instances: int = 3, read_bandwidth: float | None = None) -> dict[str, Any]:
     """Two points: M=4 zipf, whose instances disagree (and whose classes differ), and M=1
-    uniform where (c) is clearly faster; instance 1 of the first has a (d) run."""
+    uniform where (c) is clearly faster; instance 1 of the first has a (d) run.  With
+    ``read_bandwidth`` the raw output records a streaming-read bandwidth (schema 1.4)."""
     zipf = {"s": 1.2}
     points = [
         {
@@ -102,9 +107,9 @@ def _raw(instances: int = 3) -> dict[str, Any]:
             "instances": [_instance(i, 1, "uniform", {}, 1.08, False) for i in range(instances)],
         },
     ]
-    return {
+    out: dict[str, Any] = {
         "fingerprint": FP,
-        "bandwidth_bytes_per_s": 4.2e12,
+        "bandwidth_bytes_per_s": COPY_BW,
         "points": points,
         "errors": [],
         "rule": "verdict",
@@ -112,6 +117,9 @@ def _raw(instances: int = 3) -> dict[str, Any]:
         "trace_source": "held-out: synthetic",
         "dispatch_cost": {"mixtral-8x7b": {"mxdb_dispatch_hit_us": 0.2, "flaggems_lookup_us": 17}},
     }
+    if read_bandwidth is not None:
+        out["read_bandwidth_bytes_per_s"] = read_bandwidth
+    return out
 
 
 def _single(raw: dict[str, Any], instance: int) -> dict[str, Any]:
@@ -140,10 +148,24 @@ def published(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return _publish(_raw(), tmp_path_factory.mktemp("peers12"), "h200-peers-pooled")
 
 
+@pytest.fixture(scope="module")
+def published_read(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same runs with a streaming-read bandwidth: schema 1.4."""
+    raw = _raw(read_bandwidth=READ_BW)
+    return _publish(raw, tmp_path_factory.mktemp("peers14"), "h200-peers-pooled")
+
+
 @pytest.fixture
 def bundle(published: Path, tmp_path: Path) -> Path:
     dst = tmp_path / published.name
     shutil.copytree(published, dst)
+    return dst
+
+
+@pytest.fixture
+def bundle_read(published_read: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / published_read.name
+    shutil.copytree(published_read, dst)
     return dst
 
 
@@ -175,6 +197,11 @@ def test_pooled_bundle_audits_clean_and_holds_its_instances(published: Path) -> 
     report = (published / "report" / "peers.md").read_text()
     assert "## Instances (each judged on its own rounds)" in report
     assert "instances where (c) is slower than (a) / (b) on their own rounds: 2 / 2 of 6" in report
+    # no read bandwidth in the raw output: the 1.3 layout and report, without the read floor
+    assert "read_bandwidth_bytes_per_s" not in doc
+    assert "decode_geomean_floor_fraction_c_read" not in doc["figures"]
+    c = doc["figures"]["decode_geomean_floor_fraction_c"]
+    assert f"- decode (M <= 16): (c) at {c:.3f} of the floor (geomean); eager" in report
 
 
 def test_pooled_figures_are_the_verdict_on_the_pooled_rounds(published: Path) -> None:
@@ -318,10 +345,14 @@ def _leaves(x: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[tuple[Any, ...
         yield path, x
 
 
-def test_every_numeric_figure_of_the_pooled_layout_is_checked(bundle: Path) -> None:
+@pytest.mark.parametrize("layout", ["1.3", "1.4"])
+def test_every_numeric_figure_of_the_pooled_layout_is_checked(
+    layout: str, request: pytest.FixtureRequest
+) -> None:
     """Like tests/test_every_figure.py (which sweeps committed bundles; no 1.2 bundle is
     committed yet): each distinct numeric leaf of ``peers.json`` but the recorded dispatch
-    costs, edited in turn, is a finding."""
+    costs, edited in turn, is a finding; in 1.4 the read bandwidth and its floor fraction too."""
+    bundle: Path = request.getfixturevalue("bundle_read" if layout == "1.4" else "bundle")
     name = "peers.json"
     original = (bundle / name).read_bytes()
     manifest = (bundle / "manifest.json").read_bytes()
@@ -347,6 +378,8 @@ def test_every_numeric_figure_of_the_pooled_layout_is_checked(bundle: Path) -> N
         (bundle / "manifest.json").write_bytes(manifest)
     assert len(seen) > 40
     assert not missed
+    read = {"read_bandwidth_bytes_per_s", "figures.decode_geomean_floor_fraction_c_read"}
+    assert (read <= set(seen)) is (layout == "1.4")
 
 
 def test_heldout_seed_of_instance_0_is_the_single_instance_seed() -> None:
@@ -397,6 +430,70 @@ def test_a_pooled_document_of_schema_1_2_keeps_its_targets(published: Path, tmp_
     assert rewrite("1.2", TARGETS) == set()
     assert "peers.target_threshold_mismatch" in rewrite("1.2", HELDOUT_TARGETS)
     assert "peers.target_threshold_mismatch" in rewrite("1.3", TARGETS)
+
+
+def test_a_read_bandwidth_makes_a_1_4_document_with_the_read_floor(
+    published: Path, published_read: Path
+) -> None:
+    """Schema 1.4: the raw output's streaming-read bandwidth is an input of ``peers.json``, and
+    (c)'s decode floor fraction against it is the copy one x copy / read bandwidth; all else
+    is the 1.3 document of the same runs.  It validates and audits clean."""
+    from mxdb import schemas
+    from mxdb.evidence.peers import HELDOUT_TARGETS, PeersDoc
+
+    assert audit_codes(published_read) == set()
+    doc = _doc(published_read)
+    assert doc["schema_version"] == "1.4" and doc["read_bandwidth_bytes_per_s"] == READ_BW
+    c = doc["figures"]["decode_geomean_floor_fraction_c"]
+    read = doc["figures"]["decode_geomean_floor_fraction_c_read"]
+    assert read == pytest.approx(c * COPY_BW / READ_BW, rel=1e-15)
+    assert read < c  # reads alone run faster than a copy: the read floor is lower
+    assert [t["threshold"] for t in doc["targets"]] == [t.threshold for t in HELDOUT_TARGETS]
+    PeersDoc.model_validate(doc)
+    schemas.validator("peers", "1.4").validate(doc)
+    # the same runs without the read bandwidth: the 1.3 document, figure for figure
+    same = json.loads(json.dumps(doc))
+    del same["read_bandwidth_bytes_per_s"], same["figures"]["decode_geomean_floor_fraction_c_read"]
+    assert {**same, "schema_version": "1.3"} == _doc(published)
+    report = (published_read / "report" / "peers.md").read_text()
+    assert (
+        f"- decode (M <= 16): (c) at {c:.3f} of the copy-bandwidth floor (4.20 TB/s), "
+        f"{read:.3f} of the streaming-read floor (4.35 TB/s) (geomean); eager" in report
+    )
+
+
+def _copy(src: Path, root: Path, name: str) -> Path:
+    dst = root / name / src.name
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_edited_read_floor_or_read_bandwidth_is_found(published_read: Path, tmp_path: Path) -> None:
+    """The read floor's figure is recomputed from the recorded read bandwidth: editing either
+    (the report re-rendered to match) is a finding on the figure, and so is dropping the read
+    bandwidth, or calling the document 1.3 (a layout without it)."""
+
+    def figure(doc: dict[str, Any]) -> None:
+        doc["figures"]["decode_geomean_floor_fraction_c_read"] *= 1.01
+
+    def bandwidth(doc: dict[str, Any]) -> None:
+        doc["read_bandwidth_bytes_per_s"] *= 0.98  # a lower read bandwidth flatters (c)
+
+    def drop(doc: dict[str, Any]) -> None:
+        del doc["read_bandwidth_bytes_per_s"]
+
+    want = {("peers.geomean_mismatch", "figures.decode_geomean_floor_fraction_c_read")}
+    for change in (figure, bandwidth, drop):
+        b = _copy(published_read, tmp_path, change.__name__)
+        edit_claim(b, "peers.json", change)
+        assert {(f.check, f.field) for f in audit_paths([b]).findings} == want, change.__name__
+
+    def relabel(doc: dict[str, Any]) -> None:
+        doc["schema_version"] = "1.3"
+
+    b = _copy(published_read, tmp_path, "relabel")
+    edit_claim(b, "peers.json", relabel)
+    assert audit_codes(b)
 
 
 def test_old_raw_layouts_publish_as_before(tmp_path: Path) -> None:
@@ -475,7 +572,11 @@ def _fake_gpu(monkeypatch: pytest.MonkeyPatch, calls: list[dict[str, Any]]) -> N
             "make_weights": lambda *a: (Tensor(), Tensor()),
             "moe_reference": lambda *a: Tensor(),
         },
-        "mxdb.kernels.timing": {"time_interleaved": time_interleaved},
+        "mxdb.kernels.timing": {
+            "time_interleaved": time_interleaved,
+            # bytes per second of 3 reads; the median time's is 4.3e12
+            "read_bandwidth_samples": lambda: [4.0e12, 4.4e12, 4.3e12],
+        },
     }
     for name, attrs in fakes.items():
         mod = types.ModuleType(name)
@@ -523,6 +624,7 @@ def test_heldout_run_times_each_instance_on_its_own(
     peers.run(a)
     raw = json.loads(out.read_text())
     assert raw["errors"] == [] and raw["rule"] == "verdict" and raw["instances"] == 3
+    assert raw["bandwidth_bytes_per_s"] == 4.2e12 and raw["read_bandwidth_bytes_per_s"] == 4.3e12
     assert len(raw["points"]) == 78
     for p in raw["points"]:
         assert [i["instance"] for i in p["instances"]] == [0, 1, 2]
@@ -545,7 +647,8 @@ def test_heldout_run_times_each_instance_on_its_own(
     peers.publish(out, bundle)
     assert audit_codes(bundle) == set()
     doc = _doc(bundle)
-    assert doc["schema_version"] == "1.3" and doc["figures"]["n_instances"] == 234
+    assert doc["schema_version"] == "1.4" and doc["figures"]["n_instances"] == 234
+    assert doc["read_bandwidth_bytes_per_s"] == 4.3e12
 
 
 def test_sparse_workload_covers_the_class_heldout_zipf_instances_of_qwen3_fall_in() -> None:

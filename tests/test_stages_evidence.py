@@ -136,3 +136,98 @@ def test_an_edited_report_is_a_finding(bundle: Path, tmp_path: Path) -> None:
     write_manifest(dst, bundle_id="h200-stages", milestone="h200-stages")
     (f,) = [f for f in _audit(dst) if f.check == "stages.report_mismatch"]
     assert f.file.endswith("report/stages.md") and f.field.startswith("line ")
+
+
+def _dispatch_raw() -> dict[str, Any]:
+    """A ``--dispatch`` raw output: a fused_act point and a fused_slice point (its one kernel
+    timed as ``fused``, its cast launch as ``sum``)."""
+    raw = _raw()
+    act = {**CFG, "impl": "fused_act"}
+    gemm = {**GEMM, "num_stages": 3}
+    sliced = {"gemm1": gemm, "gemm2": {**gemm, "block_n": 128, "block_k": 64},
+              "align_block": 16, "impl": "fused_slice"}  # fmt: skip
+    p0, p1 = raw["points"]
+    p0["config"], p0["dispatch_reason"] = sliced, "exact_match"
+    p0["samples"] = {k: p0["samples"][k] for k in ("align", "layer")} | {
+        "fused": [150.0] * 10,
+        "sum": [2.0] * 10,
+    }
+    p1["config"], p1["dispatch_reason"] = act, "parity"
+    del p1["samples"]["activation"]
+    raw["config_source"] = "dispatch"
+    return raw
+
+
+@pytest.fixture(scope="module")
+def dispatch_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("stages-dispatch")
+    raw = root / "raw.json"
+    raw.write_text(json.dumps(_dispatch_raw()))
+    return Path(_publish()(raw, root / "h200-stages-dispatch"))
+
+
+def test_a_dispatch_profile_times_each_implementations_own_stages(dispatch_bundle: Path) -> None:
+    assert _audit(dispatch_bundle) == []
+    doc = json.loads((dispatch_bundle / "stages.json").read_text())
+    assert doc["schema_version"] == "1.1" and doc["config_source"] == "dispatch"
+    p0, p1 = doc["points"]
+    assert (p0["impl"], p0["dispatch_reason"]) == ("fused_slice", "exact_match")
+    assert (p1["impl"], p1["dispatch_reason"]) == ("fused_act", "parity")
+    # fused_slice: the one kernel counts as GEMM time; the stages it lacks weigh 0
+    assert p0["median_us"]["gemm1"] == p0["median_us"]["activation"] == 0.0
+    assert p0["gemm_share"] == pytest.approx(150 / 152)
+    assert p0["gemm_floor_fraction_copy"] == pytest.approx(p0["floor_us_copy"] / 150)
+    assert p1["median_us"]["activation"] == 0.0 and p1["median_us"]["fused"] == 0.0
+    report = (dispatch_bundle / "report" / "stages.md").read_text()
+    assert report.startswith("# Where the fused MoE layer's GPU time goes: mxdb's dispatch")
+    assert "| fused_slice |" in report and "| exact_match |" in report
+
+
+@pytest.mark.parametrize(
+    ("edit", "code"),
+    [
+        # a stage fused_slice does not have, given samples
+        (lambda d: d["points"][0]["samples"].__setitem__("gemm1", [1.0] * 10), "stages.sample_invalid"),
+        # fused_slice's own kernel without samples
+        (lambda d: d["points"][0]["samples"].__setitem__("fused", []), "stages.sample_invalid"),
+        (lambda d: d["points"][1].__setitem__("impl", "flaggems"), "stages.field_mismatch"),
+        (lambda d: d["points"][0]["median_us"].__setitem__("fused", 10.0), "stages.median_mismatch"),
+        (lambda d: d["points"][0].__setitem__("gemm_share", 0.5), "stages.figure_mismatch"),
+    ],
+)  # fmt: skip
+def test_edits_of_a_dispatch_profile_are_findings(
+    dispatch_bundle: Path, tmp_path: Path, edit: Any, code: str
+) -> None:
+    dst = tmp_path / "b"
+    shutil.copytree(dispatch_bundle, dst)
+    path = dst / "stages.json"
+    doc = json.loads(path.read_text())
+    edit(doc)
+    path.write_bytes(dumps(doc))
+    write_manifest(dst, bundle_id="h200-stages-dispatch", milestone="h200-stages-dispatch")
+    assert code in {f.check for f in _audit(dst)}
+
+
+def test_the_committed_schema_1_0_profile_still_audits_clean() -> None:
+    bundle = REPO / "evidence" / "h200-stages"
+    assert json.loads((bundle / "stages.json").read_text())["schema_version"] == "1.0"
+    assert _audit(bundle) == []
+
+
+def test_stage_groups_split_each_implementations_launches() -> None:
+    path = REPO / "benchmarks" / "stage_profile.py"
+    spec = importlib.util.spec_from_file_location("bench_stage_profile_groups", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    steps = ["memset", "s1", "s2", "g1", "act", "g2", "sum"]
+    assert mod.stage_groups("flaggems", steps) == {
+        "align": ["memset", "s1", "s2"], "gemm1": ["g1"], "activation": ["act"],
+        "gemm2": ["g2"], "sum": ["sum"],
+    }  # fmt: skip
+    assert mod.stage_groups("fused_act", ["g1a", "g2", "sum"]) == {
+        "align": [], "gemm1": ["g1a"], "gemm2": ["g2"], "sum": ["sum"],
+    }  # fmt: skip
+    assert mod.stage_groups("fused_slice", ["one", "fused", "cast"]) == {
+        "align": ["one"], "fused": ["fused"], "sum": ["cast"],
+    }  # fmt: skip

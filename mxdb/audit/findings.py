@@ -193,7 +193,8 @@ CHECKS: dict[str, str] = {
     "serving.report_mismatch": "a serving bundle's report.md is not the rendering of serving.json",
     "serving.field_mismatch": "another serving field differs from its recomputation",
     "stages.fingerprint_mismatch": "a stage profile names another environment than its bundle",
-    "stages.sample_invalid": "a stage-profile or bandwidth sample is not finite positive",
+    "stages.sample_invalid": "a stage-profile or bandwidth sample is not finite positive, or a "
+    "stage's samples are missing (or present where its implementation has no such stage)",
     "stages.shape_mismatch": "a stage-profile point's shape is not its family's at its M",
     "stages.config_hash_mismatch": "a stage-profile point's config hash is not its config's",
     "stages.median_mismatch": "a stage median differs from the median of its samples",

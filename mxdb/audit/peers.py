@@ -11,7 +11,8 @@ bundle's traces), and a point whose recorded dispatch reason is a fallback must 
 FlagGems' config as (c).  A document of schema 1.2 is checked per instance (each instance's
 runs against its own trace, the same run checks), each instance's ``routing_class`` is
 recomputed from its trace (``mxdb.routing.classify``), and the pooled figures, per-instance
-verdicts and instance counts are recomputed by the same ``build_peers``.
+verdicts and instance counts are recomputed by the same ``build_peers``.  A document of schema
+1.4 has its streaming-read floor fraction recomputed from its recorded read bandwidth.
 """
 
 from __future__ import annotations
@@ -255,6 +256,7 @@ def _figures(doc: Mapping[str, Any], ctx: Context) -> Mapping[str, Any]:
         routing_source=doc.get("routing_source"),
         trace_classes=classes,
         schema_version=doc["schema_version"],
+        read_bandwidth_bytes_per_s=doc.get("read_bandwidth_bytes_per_s"),
     )
 
 

@@ -22,13 +22,15 @@ from mxdb.audit.claims import (
 )
 from mxdb.audit.findings import FindingSink
 from mxdb.evidence.stages import (
+    IMPL_STAGES,
     LARGE_MIN_TOKENS,
     REPORT_FILE,
-    SERIES,
     bandwidth_figures,
     build_figures,
+    impl_of,
     point_figures,
     render,
+    stages_of,
 )
 
 
@@ -40,12 +42,24 @@ def _code(path: Path_) -> str:
     return "geomean_mismatch" if path[:1] == ("figures",) else "field_mismatch"
 
 
-def _point_ok(sink: FindingSink, rel: str, where: str, p: Mapping[str, Any], _: Context) -> bool:
+def _point_ok(sink: FindingSink, rel: str, where: str, p: Mapping[str, Any], ctx: Context) -> bool:
     ok = True
-    for name in SERIES:
-        if not p["samples"].get(name) and name != "align":  # the pipeline may skip alignment
+    version = str(ctx.doc["schema_version"])
+    impl = impl_of(p["config"])
+    if version != "1.0" and p.get("impl") != impl:
+        sink.add("stages.field_mismatch", rel, f"{where}.impl", impl, p.get("impl"),
+                 "the point's implementation is its config's")  # fmt: skip
+        ok = False
+    timed = (*IMPL_STAGES.get(impl, ()), "layer")
+    for name in (*stages_of(version), "layer"):
+        has = bool(p["samples"].get(name))
+        if name in timed and not has:  # align may be empty: the pipeline may skip alignment
             sink.add("stages.sample_invalid", rel, f"{where}.samples.{name}",
                      "at least one sample", p["samples"].get(name), "a stage without samples")  # fmt: skip
+            ok = False
+        elif name not in timed and name != "align" and has:
+            sink.add("stages.sample_invalid", rel, f"{where}.samples.{name}", "no samples",
+                     len(p["samples"][name]), f"{impl} has no {name} stage")  # fmt: skip
             ok = False
     ok &= check_samples(sink, rel, f"{where}.samples", "stages", p["samples"])
     check_shape_and_config(sink, rel, where, "stages", p)
@@ -60,14 +74,15 @@ def _preflight(sink: FindingSink, rel: str, doc: Mapping[str, Any], _: Context) 
 
 
 def _point(p: Mapping[str, Any], ctx: Context) -> Mapping[str, Any]:
-    return point_figures(p, ctx.doc["bandwidth"])
+    return point_figures(p, ctx.doc["bandwidth"], str(ctx.doc["schema_version"]))
 
 
 def _figures(doc: Mapping[str, Any], _: Context) -> Mapping[str, Any]:
     b = doc["bandwidth"]
     bw = bandwidth_figures(b["copy_samples"], b["read_samples"], b["matmul_samples"])
     # the groups' figures from the points' recomputed figures, not their claimed ones
-    points = [{**p, **point_figures(p, bw)} for p in doc["points"]]
+    version = str(doc["schema_version"])
+    points = [{**p, **point_figures(p, bw, version)} for p in doc["points"]]
     return {
         "bandwidth": bw,
         "figures": build_figures(points, doc["decode_max_tokens"], doc["large_min_tokens"]),

@@ -37,11 +37,11 @@ KNOWN_VERSIONS: dict[str, tuple[str, ...]] = {
     "mxdb.store-export": ("1.0", "1.1", "1.2", "1.3"),
     "mxdb.compile-survey": ("1.0", "1.1"),
     "mxdb.decode": ("1.0",),
-    "mxdb.peers": ("1.0", "1.1", "1.2", "1.3"),
+    "mxdb.peers": ("1.0", "1.1", "1.2", "1.3", "1.4"),
     "mxdb.lean-layer": ("1.0",),
     "mxdb.self-healing": ("1.0",),
     "mxdb.serving": ("1.0", "1.1"),
-    "mxdb.stages": ("1.0",),
+    "mxdb.stages": ("1.0", "1.1"),
 }
 
 RunRole = Literal["baseline", "candidate", "control", "peer"]
@@ -101,9 +101,14 @@ class SignatureDoc(_Doc):
     signature: str = Field(description="base64 of the 64-byte Ed25519 signature")
 
 
-def _data_optional(schema: dict[str, Any]) -> None:
-    # 1.0 documents have no ``data``: it stays optional in the schema
-    schema["required"] = [r for r in schema.get("required", []) if r != "data"]
+def optional_fields(*names: str) -> ConfigDict:
+    """The evidence config, with ``names`` optional in the JSON Schema (fields a later schema
+    version added, absent from documents of the earlier ones)."""
+
+    def extra(schema: dict[str, Any]) -> None:
+        schema["required"] = [r for r in schema.get("required", []) if r not in names]
+
+    return ConfigDict(**{**_FROZEN, "json_schema_extra": extra})
 
 
 class FingerprintDoc(_Doc):
@@ -114,7 +119,7 @@ class FingerprintDoc(_Doc):
     table FlagGems reads).
     """
 
-    model_config = ConfigDict(**_FROZEN, json_schema_extra=_data_optional)
+    model_config = optional_fields("data")  # 1.0 documents have no ``data``
 
     schema_name: Literal["mxdb.fingerprint"] = Field(default="mxdb.fingerprint", alias="schema")
     schema_version: Literal["1.0", "1.1"] = "1.1"

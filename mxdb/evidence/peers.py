@@ -34,6 +34,15 @@ run is round ``r``), and "slower" / "faster" are the one verdict rule's outcomes
 ``routing_source`` says where the points' routing came from (held-out instances of a
 generator the tuner never used).
 
+Documents of schema 1.4 are the 1.3 layout with the decode floor measured against a second
+bandwidth: ``read_bandwidth_bytes_per_s``, a streaming read (a float32 sum over 2 GiB of bf16)
+timed in the same run, next to the copy bandwidth every ``floor_us`` uses.  A layer at decode
+batch sizes mostly reads weights, and a copy also writes what it reads, so the copy floor alone
+can flatter it.  ``figures`` adds ``decode_geomean_floor_fraction_c_read``, the decode geomean
+floor fraction of (c) with the floor from the read bandwidth: since a floor is bytes /
+bandwidth, it is ``decode_geomean_floor_fraction_c`` x copy / read bandwidth.  A pooled
+document with a read bandwidth is 1.4; one without it is still written as 1.3.
+
 Documents of schema 1.3 are the 1.2 layout below, judged on the targets of a comparison on
 held-out routing (:data:`HELDOUT_TARGETS`: 1.03x over FlagGems' choice, 1.01x over vLLM's
 table, no point slower than either); 1.2 documents keep :data:`TARGETS`.  In 1.3, where (c)
@@ -105,18 +114,23 @@ import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal, cast
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from mxdb import verdict
 from mxdb.evidence import stats
 from mxdb.evidence.cells import cell
-from mxdb.evidence.models import _FROZEN, _Doc
+from mxdb.evidence.models import _Doc, optional_fields
 from mxdb.shapes import memory_floor_bytes
 
 REPORT_FILE = "report/peers.md"
 PEERS_FILE = "peers.json"
 SCHEMA = "mxdb.peers"
-SCHEMA_VERSION = "1.3"
+SCHEMA_VERSION = "1.4"
+#: The versions judged on the held-out targets (and comparing a config with itself as one
+#: kernel): 1.3, and 1.4, which adds the streaming-read floor.
+HELDOUT_VERSIONS: tuple[str, ...] = ("1.3", "1.4")
+#: The versions that carry ``read_bandwidth_bytes_per_s`` (where it was measured).
+READ_BANDWIDTH_VERSIONS: tuple[str, ...] = ("1.4",)
 #: The version of documents judged by the verdict rule on one routing instance per point.
 SINGLE_INSTANCE_VERSION = "1.1"
 DECODE_MAX_TOKENS = 16
@@ -252,8 +266,8 @@ HELDOUT_TARGETS: tuple[TargetSpec, ...] = (
 
 
 def targets_for(schema_version: str) -> tuple[TargetSpec, ...]:
-    """The targets a document of ``schema_version`` is judged on (1.3: held-out routing)."""
-    return HELDOUT_TARGETS if schema_version == "1.3" else TARGETS
+    """The targets a document of ``schema_version`` is judged on (1.3, 1.4: held-out routing)."""
+    return HELDOUT_TARGETS if schema_version in HELDOUT_VERSIONS else TARGETS
 
 
 def judge(comparison: str, measured: float | None, threshold: float) -> bool:
@@ -311,16 +325,6 @@ class Target(_Doc):
     passed: bool
 
 
-def _optional(*names: str) -> ConfigDict:
-    """The evidence config, with ``names`` optional in the JSON Schema (absent in old layouts)."""
-
-    def extra(schema: dict[str, Any]) -> None:
-        req = [r for r in schema.get("required", []) if r not in names]
-        schema["required"] = req
-
-    return ConfigDict(**{**_FROZEN, "json_schema_extra": extra})
-
-
 class PeerRuns(_Doc):
     """The run ids of one point (raw samples in ``runs/<id>.json``)."""
 
@@ -359,6 +363,9 @@ INSTANCE_FIGURES: tuple[str, ...] = (
     "instances_c_slower_than_a",
     "instances_c_slower_than_b",
 )
+#: Aggregate figures of schema 1.4 (absent from older documents, and from documents without a
+#: read bandwidth).
+READ_BANDWIDTH_FIGURES: tuple[str, ...] = ("decode_geomean_floor_fraction_c_read",)
 #: Explanations of schema 1.2 (absent from older documents).
 INSTANCE_EXPLANATIONS: tuple[str, ...] = ("instances_c_slower_than_a", "instances_c_slower_than_b")
 
@@ -384,7 +391,7 @@ EXTENDED_POINT_FIELDS: tuple[str, ...] = (
 class PeerPoint(_Doc):
     """One point: its runs and the figures derived from their samples."""
 
-    model_config = _optional(*EXTENDED_POINT_FIELDS, "instances")
+    model_config = optional_fields(*EXTENDED_POINT_FIELDS, "instances")
 
     family: str
     tokens: int = Field(ge=1)
@@ -481,7 +488,7 @@ class GapExplanation(_Doc):
 class Explanations(_Doc):
     """Figures that explain each missed target, recomputed like every other figure."""
 
-    model_config = _optional(*INSTANCE_EXPLANATIONS)
+    model_config = optional_fields(*INSTANCE_EXPLANATIONS)
 
     c_over_a: GapExplanation
     c_over_b: GapExplanation
@@ -515,7 +522,7 @@ class Explanations(_Doc):
 class PeerFigures(_Doc):
     """The comparison's aggregate figures."""
 
-    model_config = _optional(*INSTANCE_FIGURES)
+    model_config = optional_fields(*INSTANCE_FIGURES, *READ_BANDWIDTH_FIGURES)
 
     n_points: int
     geomean_speedup_c_over_a: float | None
@@ -523,6 +530,11 @@ class PeerFigures(_Doc):
     points_c_slower_than_a: int
     points_c_slower_than_b: int
     decode_geomean_floor_fraction_c: float | None
+    decode_geomean_floor_fraction_c_read: float | None = Field(
+        default=None,
+        description="schema 1.4: decode_geomean_floor_fraction_c with the floor from the "
+        "streaming-read bandwidth (x bandwidth_bytes_per_s / read_bandwidth_bytes_per_s)",
+    )
     decode_geomean_eager_speedup: float | None
     decode_geomean_eager_over_graph: float | None
     points_routing_changes_dispatch: int
@@ -541,14 +553,21 @@ class PeerFigures(_Doc):
 class PeersDoc(_Doc):
     """``peers.json``: FlagGems, vLLM's table and mxdb's dispatch side by side."""
 
-    model_config = _optional("explanations", "rule", "routing_source")
+    model_config = optional_fields(
+        "explanations", "rule", "routing_source", "read_bandwidth_bytes_per_s"
+    )
 
     schema_name: Literal["mxdb.peers"] = Field(default="mxdb.peers", alias="schema")
-    schema_version: Literal["1.0", "1.1", "1.2", "1.3"] = "1.3"
+    schema_version: Literal["1.0", "1.1", "1.2", "1.3", "1.4"] = "1.4"
     milestone: str
     fingerprint_hash: str
     bandwidth_bytes_per_s: float = Field(
         description="device-to-device copy bandwidth measured in the same run (input)"
+    )
+    read_bandwidth_bytes_per_s: float | None = Field(
+        default=None,
+        description="streaming-read bandwidth (bytes read per second, a float32 sum over 2 GiB "
+        "of bf16) measured in the same run (input; schema 1.4)",
     )
     decode_max_tokens: int
     points: list[PeerPoint]
@@ -867,8 +886,18 @@ def skew_costs(rows: Sequence[dict[str, Any]]) -> None:
             r["skew_cost"] = twin["floor_fraction_best"] / r["floor_fraction_best"]
 
 
-def aggregate(points: Sequence[Mapping[str, Any]], decode_max_tokens: int) -> dict[str, Any]:
-    """The aggregate figures over the points."""
+def aggregate(
+    points: Sequence[Mapping[str, Any]],
+    decode_max_tokens: int,
+    *,
+    bandwidth_bytes_per_s: float | None = None,
+    read_bandwidth_bytes_per_s: float | None = None,
+) -> dict[str, Any]:
+    """The aggregate figures over the points.
+
+    With both bandwidths (the copy bandwidth of the points' floors and a read bandwidth: schema
+    1.4) also ``decode_geomean_floor_fraction_c_read``.
+    """
 
     def gm(key: str, pred: Callable[[Mapping[str, Any]], bool] = lambda r: True) -> float | None:
         return stats.geomean(float(r[key]) for r in points if r.get(key) and pred(r))
@@ -888,6 +917,13 @@ def aggregate(points: Sequence[Mapping[str, Any]], decode_max_tokens: int) -> di
         "points_routing_changes_dispatch": sum(1 for r in points if r["c_differs_from_d"]),
         "geomean_c_over_d_where_changed": gm("speedup_c_over_d", lambda r: r["c_differs_from_d"]),
     }
+    if bandwidth_bytes_per_s is not None and read_bandwidth_bytes_per_s is not None:
+        # floor_us = bytes / bandwidth at every point, so the read floor is the copy floor
+        # scaled by copy / read, and so is each fraction and their geomean
+        c = out["decode_geomean_floor_fraction_c"]
+        out["decode_geomean_floor_fraction_c_read"] = (
+            None if c is None else c * bandwidth_bytes_per_s / read_bandwidth_bytes_per_s
+        )
     if any(r.get("instances") for r in points):
         inst = [i for r in points for i in r.get("instances") or ()]
         out["n_instances"] = len(inst)
@@ -1002,6 +1038,7 @@ def build_peers(
     routing_source: str | None = None,
     trace_classes: Mapping[str, str] | None = None,
     schema_version: str | None = None,
+    read_bandwidth_bytes_per_s: float | None = None,
 ) -> dict[str, Any]:
     """The ``peers.json`` document: ``points`` give identity and run ids, the rest is computed.
 
@@ -1015,15 +1052,21 @@ def build_peers(
     ``runs`` and optionally ``dispatch_reason_c`` / ``dispatch_reason_d``; it needs
     ``rule="verdict"``, ``hot_shares`` and ``trace_classes`` (trace hash -> :func:`trace_class`),
     and its figures pool the instances (:func:`pooled_point_figures`).  Any such point makes the
-    document schema 1.3 (the 1.2 layout; ``targets`` default to :func:`targets_for` it);
-    ``schema_version="1.2"`` rebuilds an earlier pooled document as it was written.
+    document schema 1.3 (the 1.2 layout; ``targets`` default to :func:`targets_for` it), or 1.4
+    with ``read_bandwidth_bytes_per_s`` (the 1.3 layout with the streaming-read floor);
+    ``schema_version`` ("1.2", "1.3" or "1.4") rebuilds an earlier pooled document as it was
+    written.  Only 1.4 documents carry the read bandwidth: the other layouts have no place for
+    it, and leave it out.
     """
     pooled = any(p.get("instances") for p in points)
     if pooled and (rule != "verdict" or hot_shares is None or trace_classes is None):
         raise ValueError("points with instances need rule 'verdict', hot shares and trace classes")
-    version = SCHEMA_VERSION if pooled else (SINGLE_INSTANCE_VERSION if rule else "1.0")
-    if pooled and schema_version in ("1.2", "1.3"):
-        version = schema_version
+    version = SINGLE_INSTANCE_VERSION if rule else "1.0"
+    if pooled:
+        version = "1.3" if read_bandwidth_bytes_per_s is None else SCHEMA_VERSION
+        if schema_version in ("1.2", *HELDOUT_VERSIONS):
+            version = schema_version
+    read = read_bandwidth_bytes_per_s if version in READ_BANDWIDTH_VERSIONS else None
     rows = []
     for p in points:
         if p.get("instances"):
@@ -1034,7 +1077,7 @@ def build_peers(
                 hot_shares=cast(Mapping[str, float], hot_shares),
                 trace_classes=cast(Mapping[str, str], trace_classes),
                 bandwidth_bytes_per_s=bandwidth_bytes_per_s,
-                same_config_same_kernel=version == "1.3",
+                same_config_same_kernel=version in HELDOUT_VERSIONS,
             )
             rows.append({k: p[k] for k in ("family", "tokens", "routing")} | fig)
             continue
@@ -1052,7 +1095,12 @@ def build_peers(
         rows.append({**ident, "runs": labels, **fig})
     if hot_shares is not None:
         skew_costs(rows)
-    figures = aggregate(rows, decode_max_tokens)
+    figures = aggregate(
+        rows,
+        decode_max_tokens,
+        bandwidth_bytes_per_s=bandwidth_bytes_per_s,
+        read_bandwidth_bytes_per_s=read,
+    )
     if targets is None:
         targets = targets_for(version)
     doc: dict[str, Any] = {
@@ -1061,6 +1109,7 @@ def build_peers(
         "milestone": milestone,
         "fingerprint_hash": fingerprint_hash,
         "bandwidth_bytes_per_s": bandwidth_bytes_per_s,
+        **({} if read is None else {"read_bandwidth_bytes_per_s": read}),
         "decode_max_tokens": decode_max_tokens,
         "points": rows,
         "figures": figures,
@@ -1078,8 +1127,9 @@ def build_peers(
 
 def to_json(doc: Mapping[str, Any]) -> dict[str, Any]:
     """``doc`` validated as :class:`PeersDoc`, as written: the optional fields of a later
-    layout (``rule``, ``routing_source``, ``instances``, the 1.2 figures and explanations) are
-    left out where they are null, so a document of an earlier layout keeps its fields."""
+    layout (``rule``, ``routing_source``, ``instances``, the 1.2 figures and explanations, the
+    1.4 read bandwidth) are left out where they are null, so a document of an earlier layout
+    keeps its fields."""
     out = PeersDoc.model_validate(doc).to_json_dict()
     for key in ("rule", "routing_source"):  # fields of the verdict layout only
         if out.get(key) is None:
@@ -1089,6 +1139,11 @@ def to_json(doc: Mapping[str, Any]) -> dict[str, Any]:
             p.pop("instances", None)
     for key in INSTANCE_FIGURES:
         if out["figures"].get(key) is None:
+            out["figures"].pop(key, None)
+    if out.get("read_bandwidth_bytes_per_s") is None:
+        # the read floor's figure goes with its input (it may be null in 1.4: no decode point)
+        out.pop("read_bandwidth_bytes_per_s", None)
+        for key in READ_BANDWIDTH_FIGURES:
             out["figures"].pop(key, None)
     ex = out.get("explanations")
     if ex is not None:
@@ -1275,6 +1330,21 @@ def explanations_markdown(doc: Mapping[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
+def _decode_floor(doc: Mapping[str, Any]) -> str:
+    """(c)'s decode floor fraction for the report: of the copy floor, and of the streaming-read
+    floor where the document measured it (schema 1.4; earlier reports keep their words)."""
+    f = doc["figures"]
+    c = cell(f["decode_geomean_floor_fraction_c"])
+    read = doc.get("read_bandwidth_bytes_per_s")
+    if read is None:
+        return f"{c} of the floor"
+    return (
+        f"{c} of the copy-bandwidth floor ({doc['bandwidth_bytes_per_s'] / 1e12:.2f} TB/s), "
+        f"{cell(f.get('decode_geomean_floor_fraction_c_read'))} of the streaming-read floor "
+        f"({read / 1e12:.2f} TB/s)"
+    )
+
+
 def render(doc: Mapping[str, Any]) -> str:
     """``report/peers.md``: the figures of ``peers.json`` (a view; the audit checks the JSON)."""
     f = {**doc["figures"], "points": doc["points"]}
@@ -1286,7 +1356,7 @@ def render(doc: Mapping[str, Any]) -> str:
         f"(c)/(b): {cell(f['geomean_speedup_c_over_b'])}",
         f"- points where (c) is slower than (a) / (b) beyond the control pair's noise: "
         f"{f['points_c_slower_than_a']} / {f['points_c_slower_than_b']} of {f['n_points']}",
-        f"- decode (M <= 16): (c) at {cell(f['decode_geomean_floor_fraction_c'])} of the floor "
+        f"- decode (M <= 16): (c) at {_decode_floor(doc)} "
         f"(geomean); eager layer {cell(f['decode_geomean_eager_speedup'])}x faster than "
         f"fused_experts_impl; eager/graph {cell(f['decode_geomean_eager_over_graph'])}",
         f"- points where routing changes mxdb's dispatch: {f['points_routing_changes_dispatch']}; "
