@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import shutil
@@ -10,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from benchmark_scripts import load
 from bundle_edits import audit_codes, edit_claim
 
 from mxdb.audit import audit_paths
@@ -29,11 +29,7 @@ CFG = {"gemm1": {**GEMM, "num_stages": 5}, "gemm2": {**GEMM, "num_stages": 4}, "
 
 
 def _publish() -> Any:
-    path = REPO / "benchmarks" / "lean_layer.py"
-    spec = importlib.util.spec_from_file_location("bench_lean_layer", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load("lean_layer.py")
     return mod.publish
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import shutil
@@ -10,9 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from benchmark_scripts import load
+from bundle_edits import audit_codes, edit_claim
 
 from mxdb.audit import CHECKS, audit_paths
-from mxdb.evidence.files import dumps
 from mxdb.evidence.stages import STAGES, touched_experts
 from mxdb.evidence.writer import write_manifest
 from mxdb.fingerprint import H200
@@ -24,13 +24,11 @@ GEMM = {"block_m": 16, "block_n": 64, "block_k": 128, "group_m": 1, "num_warps":
 CFG = {"gemm1": {**GEMM, "num_stages": 3}, "gemm2": {**GEMM, "num_stages": 3}, "align_block": 16}
 
 
-def _publish() -> Any:
-    path = REPO / "benchmarks" / "stage_profile.py"
-    spec = importlib.util.spec_from_file_location("bench_stage_profile", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.publish
+def _published(factory: pytest.TempPathFactory, raw: dict[str, Any], name: str) -> Path:
+    """The bundle ``benchmarks/stage_profile.py publish`` writes from ``raw``."""
+    root = factory.mktemp(name)
+    (root / "raw.json").write_text(json.dumps(raw))
+    return Path(load("stage_profile.py").publish(root / "raw.json", root / name))
 
 
 def _raw() -> dict[str, Any]:
@@ -64,10 +62,7 @@ def _raw() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("stages")
-    raw = root / "raw.json"
-    raw.write_text(json.dumps(_raw()))
-    return Path(_publish()(raw, root / "h200-stages"))
+    return _published(tmp_path_factory, _raw(), "h200-stages")
 
 
 def _audit(path: Path) -> list[Any]:
@@ -116,16 +111,17 @@ def test_published_bundle_audits_clean_with_figures_from_the_samples(bundle: Pat
 def test_every_kind_of_edit_is_a_finding(
     bundle: Path, tmp_path: Path, edit: Any, code: str
 ) -> None:
+    assert code in _edited(bundle, tmp_path, edit)
+    assert code in CHECKS
+
+
+def _edited(bundle: Path, tmp_path: Path, edit: Any) -> set[str]:
+    """The finding codes of a copy of ``bundle`` whose ``stages.json`` ``edit`` changed (its
+    report re-rendered and its manifest re-written, as a careful forger would)."""
     dst = tmp_path / "b"
     shutil.copytree(bundle, dst)
-    path = dst / "stages.json"
-    doc = json.loads(path.read_text())
-    edit(doc)
-    path.write_bytes(dumps(doc))
-    write_manifest(dst, bundle_id="h200-stages", milestone="h200-stages")
-    codes = {f.check for f in _audit(dst)}
-    assert code in codes, codes
-    assert code in CHECKS
+    edit_claim(dst, "stages.json", edit)
+    return audit_codes(dst)
 
 
 def test_an_edited_report_is_a_finding(bundle: Path, tmp_path: Path) -> None:
@@ -160,10 +156,7 @@ def _dispatch_raw() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def dispatch_bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("stages-dispatch")
-    raw = root / "raw.json"
-    raw.write_text(json.dumps(_dispatch_raw()))
-    return Path(_publish()(raw, root / "h200-stages-dispatch"))
+    return _published(tmp_path_factory, _dispatch_raw(), "h200-stages-dispatch")
 
 
 def test_a_dispatch_profile_times_each_implementations_own_stages(dispatch_bundle: Path) -> None:
@@ -198,14 +191,7 @@ def test_a_dispatch_profile_times_each_implementations_own_stages(dispatch_bundl
 def test_edits_of_a_dispatch_profile_are_findings(
     dispatch_bundle: Path, tmp_path: Path, edit: Any, code: str
 ) -> None:
-    dst = tmp_path / "b"
-    shutil.copytree(dispatch_bundle, dst)
-    path = dst / "stages.json"
-    doc = json.loads(path.read_text())
-    edit(doc)
-    path.write_bytes(dumps(doc))
-    write_manifest(dst, bundle_id="h200-stages-dispatch", milestone="h200-stages-dispatch")
-    assert code in {f.check for f in _audit(dst)}
+    assert code in _edited(dispatch_bundle, tmp_path, edit)
 
 
 def test_the_committed_schema_1_0_profile_still_audits_clean() -> None:
@@ -215,11 +201,7 @@ def test_the_committed_schema_1_0_profile_still_audits_clean() -> None:
 
 
 def test_stage_groups_split_each_implementations_launches() -> None:
-    path = REPO / "benchmarks" / "stage_profile.py"
-    spec = importlib.util.spec_from_file_location("bench_stage_profile_groups", path)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = load("stage_profile.py")
     steps = ["memset", "s1", "s2", "g1", "act", "g2", "sum"]
     assert mod.stage_groups("flaggems", steps) == {
         "align": ["memset", "s1", "s2"], "gemm1": ["g1"], "activation": ["act"],
