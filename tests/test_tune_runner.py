@@ -559,3 +559,64 @@ def test_a_later_job_deciding_a_stored_key_and_config_exports_that_row(tmp_path:
         rows[0].config_hash
     ]
     assert audit_paths([tmp_path / "ev"]).findings == ()
+
+
+def test_noisy_records_are_the_ties_decided_under_a_wide_noise_band() -> None:
+    from types import SimpleNamespace
+
+    from mxdb.tune.runner import NOISY_BAND, noisy_records
+
+    def e(status: str, band: float | None) -> Any:
+        return SimpleNamespace(
+            family="E8-H4096-I14336-k2", dtype="bf16", tokens=4096, routing_class="hot",
+            status=status, noise_band=band,
+        )  # fmt: skip
+
+    entries = [e("baseline", 0.052), e("baseline", 0.0005), e("verified", 0.05),
+               e("baseline", None), e("parity", 0.03), e("single", 0.05)]  # fmt: skip
+    key = {"family": "E8-H4096-I14336-k2", "dtype": "bf16", "tokens": 4096, "routing_class": "hot"}
+    assert noisy_records(entries) == [
+        {**key, "status": "baseline", "noise_band": 0.052},
+        {**key, "status": "parity", "noise_band": 0.03},
+    ]
+    assert noisy_records([e("baseline", NOISY_BAND)]) == []  # wider than, not as wide as
+
+
+def _cli_tune(tmp_path: Path, *extra: str) -> Any:
+    tmp_path.mkdir(exist_ok=True)
+    wl = tmp_path / "w.json"
+    wl.write_text(json.dumps({**SMALL, "tokens": [4, 16]}))
+    db = f"sqlite:///{tmp_path / 'db.sqlite'}"
+    args = ["tune", str(wl), "--db", db, "--out", str(tmp_path / "ev"), "--backend", "fake"]
+    return CliRunner().invoke(cli, [*args, "--no-progress", *extra])
+
+
+def test_a_tune_names_the_noisy_ties_it_decided(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import mxdb.tune.fake
+
+    # a disturbed device: every sample carries 30% log-normal noise
+    noisy = functools.partial(mxdb.tune.fake.FakeBackend, noise=0.30)
+    monkeypatch.setattr(mxdb.tune.fake, "FakeBackend", noisy)
+    res = _cli_tune(tmp_path, "--json")
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    assert report["noisy"], "30% noise leaves ties decided under a wide band"
+    assert all(n["noise_band"] > 0.02 for n in report["noisy"])
+    with Store.open(f"sqlite:///{tmp_path / 'db.sqlite'}") as store:
+        entries = store.entries()
+    ties = {
+        (e.tokens, e.routing_class, e.status) for e in entries if e.status in ("baseline", "parity")
+    }
+    assert {(n["tokens"], n["routing_class"], n["status"]) for n in report["noisy"]} <= ties
+    text = _cli_tune(tmp_path / "again")  # a fresh store, the text output
+    assert text.exit_code == 0, text.output
+    assert "noisy: E128-H2048-I768-k8 bf16 M=" in text.stderr
+    assert "measure the key again" in text.stderr
+
+
+def test_a_quiet_tune_names_no_noisy_records(tmp_path: Path) -> None:
+    res = _cli_tune(tmp_path, "--json")
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["noisy"] == []

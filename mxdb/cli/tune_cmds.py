@@ -175,6 +175,15 @@ def tune_cmd(
         )
     if report.bundle:
         click.echo(f"evidence: {report.bundle}")
+    for rec in report.noisy:
+        click.echo(
+            f"noisy: {rec['family']} {rec['dtype']} M={rec['tokens']} {rec['routing_class']} is "
+            f"a {rec['status']} record decided under a noise band of {rec['noise_band']:.1%} (FlagGems' "
+            "same-config copies that far apart): the measurement was disturbed; measure the key "
+            "again with a workload of it alone and merge its export (mxdb export --format mxdb "
+            "--merge)",
+            err=True,
+        )
     if report.points_done < report.points_total:
         click.echo("budget ran out: run the same command again to finish", err=True)
 

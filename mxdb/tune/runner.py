@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -52,6 +52,30 @@ BackendFactory = Callable[[], Backend]
 LEASE_S = 120.0
 
 
+#: A tie (a baseline or parity record) decided under a wider noise band than this (FlagGems'
+#: same-config copies apart by more) could not tell configs this close apart: the measurement
+#: was disturbed (another process on the GPU, clocks), and the key deserves a second one.  A
+#: verified entry needs its whole interval past the margin, so noise cannot make one.
+NOISY_BAND = 0.02
+
+
+def noisy_records(entries: Iterable[Any], band: float = NOISY_BAND) -> list[dict[str, Any]]:
+    """The baseline and parity records among ``entries`` decided under a noise band wider than
+    ``band``."""
+    return [
+        {
+            "family": e.family,
+            "dtype": e.dtype,
+            "tokens": e.tokens,
+            "routing_class": e.routing_class,
+            "status": e.status,
+            "noise_band": e.noise_band,
+        }
+        for e in entries
+        if e.status in ("baseline", "parity") and e.noise_band is not None and e.noise_band > band
+    ]
+
+
 @dataclass
 class TuneReport:
     """What a ``tune`` call did."""
@@ -67,6 +91,9 @@ class TuneReport:
     baseline_keys: int = 0
     #: keys that answer a peer's table row at parity with FlagGems' choice (``parity``)
     parity_keys: int = 0
+    #: baseline and parity records decided under a noise band wider than :data:`NOISY_BAND` (one
+    #: dict per key: family, dtype, tokens, routing class, status, noise band): measure again
+    noisy: list[dict[str, Any]] = field(default_factory=list)
     bundle: str | None = None
     #: every bundle written: one per routing source when the workload has several (two
     #: sources can fall into one routing class at small M, and a bundle's comparison group,
@@ -260,6 +287,7 @@ def _tune(
         ],
         baseline_keys=sum(1 for e in entries if e.status == "baseline"),
         parity_keys=sum(1 for e in entries if e.status == "parity"),
+        noisy=noisy_records(entries),
         bundle=str(path) if path else None,
         bundles=[str(p) for p in paths],
         budget_exhausted=done < total and deadline is not None and time.time() >= deadline,
