@@ -20,6 +20,7 @@ import random
 from collections.abc import Callable, Sequence
 
 import torch
+from mxdb.kernels.stream import stream_sum
 
 METHODS = ("graph", "eager")
 
@@ -125,10 +126,20 @@ def copy_bandwidth_samples(reps: int = 20) -> list[float]:
 
 
 def read_bandwidth_samples(reps: int = 20) -> list[float]:
-    """Streaming-read bandwidth (bytes read per second): a float32 sum over 2 GiB of bf16.
+    """Streaming-read bandwidth (bytes read per second): 2 GiB of bf16 summed into float32.
 
     A copy also writes what it reads; a layer at decode batch sizes mostly reads weights, and
-    some reach more than the copy bandwidth, so floors are reported against both."""
+    some reach more than the copy bandwidth, so floors are reported against both.  The probe is
+    a Triton kernel (:func:`mxdb.kernels.stream.stream_sum`: wide loads, one partial sum per program), not a torch
+    reduction, whose tree of launches reads no faster than a copy."""
+    n = 1 << 30
+    r = torch.ones(n, dtype=torch.bfloat16, device="cuda")
+    return rate_samples(lambda: stream_sum(r), 2 * n, reps=reps)
+
+
+def torch_sum_read_samples(reps: int = 20) -> list[float]:
+    """The earlier probe, ``torch.sum`` in float32 over 2 GiB of bf16 (bytes read per second):
+    kept to compare the two on a device."""
     n = 1 << 30
     r = torch.ones(n, dtype=torch.bfloat16, device="cuda")
     return rate_samples(lambda: r.sum(dtype=torch.float32), 2 * n, reps=reps)

@@ -148,6 +148,33 @@ def test_graph_and_eager_timing(torch):
     assert torch.equal(pipes[0].out, eager_out)
 
 
+@pytest.mark.parametrize("n", [1, 4096 * 16, 4096 * 16 * 3 + 77])
+def test_the_streaming_read_probe_sums_every_element_once(torch, n):
+    from mxdb.kernels.stream import stream_sum
+
+    x = torch.randn(n, dtype=torch.float32, device="cuda").to(torch.bfloat16)
+    partial = stream_sum(x)
+    assert partial.numel() == -(-n // (4096 * 16))
+    want = x.float().sum().item()
+    assert abs(partial.sum().item() - want) <= 1e-3 * max(1.0, abs(want)) + 1e-2
+
+
+def test_read_and_copy_probes_give_rates(torch):
+    from mxdb.kernels.timing import (
+        copy_bandwidth_samples,
+        read_bandwidth_samples,
+        torch_sum_read_samples,
+    )
+
+    for samples in (
+        read_bandwidth_samples(3),
+        torch_sum_read_samples(3),
+        copy_bandwidth_samples(3),
+    ):
+        # an H200 moves a few TB/s; any GPU here more than 50 GB/s and less than 50 TB/s
+        assert len(samples) == 3 and all(5e10 < v < 5e13 for v in samples), samples
+
+
 def test_backend_compile_results_and_check(torch):
     import numpy as np
     from mxdb.kernels.backend import GpuBackend

@@ -1,0 +1,37 @@
+"""A streaming-read probe: a Triton kernel that reads a tensor once into float32 partial sums.
+
+The memory-bound floor of a decode batch is its weight bytes over what the device can read;
+a device-to-device copy also writes, and a torch reduction runs as a tree of launches, so
+neither need reach the read limit.  Plain Triton, as mcTriton builds it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _stream_sum_kernel(src, partial, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+    """One float32 partial sum per program over ``ITERS`` consecutive blocks of ``src``."""
+    base = tl.program_id(0).to(tl.int64) * BLOCK * ITERS
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in range(ITERS):
+        offs = base + i * BLOCK + tl.arange(0, BLOCK)
+        # streamed once: no reason to keep it in L1
+        acc += tl.load(src + offs, mask=offs < n, other=0.0, cache_modifier=".cg").to(tl.float32)
+    tl.store(partial + tl.program_id(0), tl.sum(acc, axis=0))
+
+
+#: elements per block and blocks per program of the streaming-read probe
+_STREAM_BLOCK, _STREAM_ITERS = 4096, 16
+
+
+def stream_sum(src: torch.Tensor) -> torch.Tensor:
+    """The per-program float32 partial sums of a contiguous tensor, read once (the probe)."""
+    n = src.numel()
+    grid = (triton.cdiv(n, _STREAM_BLOCK * _STREAM_ITERS),)
+    partial = torch.empty(grid[0], dtype=torch.float32, device=src.device)
+    _stream_sum_kernel[grid](src, partial, n, BLOCK=_STREAM_BLOCK, ITERS=_STREAM_ITERS, num_warps=8)
+    return partial
