@@ -24,14 +24,22 @@ def _stream_sum_kernel(src, partial, n, BLOCK: tl.constexpr, ITERS: tl.constexpr
     tl.store(partial + tl.program_id(0), tl.sum(acc, axis=0))
 
 
-#: elements per block and blocks per program of the streaming-read probe
-_STREAM_BLOCK, _STREAM_ITERS = 4096, 16
+#: launch shapes the probe tries, (elements per block, blocks per program, warps): which one
+#: keeps enough bytes in flight differs between devices
+VARIANTS: tuple[tuple[int, int, int], ...] = (
+    (4096, 16, 8),
+    (8192, 8, 8),
+    (16384, 4, 16),
+    (2048, 32, 4),
+    (8192, 16, 16),
+)
 
 
-def stream_sum(src: torch.Tensor) -> torch.Tensor:
+def stream_sum(src: torch.Tensor, variant: tuple[int, int, int] = VARIANTS[0]) -> torch.Tensor:
     """The per-program float32 partial sums of a contiguous tensor, read once (the probe)."""
+    block, iters, warps = variant
     n = src.numel()
-    grid = (triton.cdiv(n, _STREAM_BLOCK * _STREAM_ITERS),)
+    grid = (triton.cdiv(n, block * iters),)
     partial = torch.empty(grid[0], dtype=torch.float32, device=src.device)
-    _stream_sum_kernel[grid](src, partial, n, BLOCK=_STREAM_BLOCK, ITERS=_STREAM_ITERS, num_warps=8)
+    _stream_sum_kernel[grid](src, partial, n, BLOCK=block, ITERS=iters, num_warps=warps)
     return partial

@@ -149,12 +149,13 @@ def test_graph_and_eager_timing(torch):
 
 
 @pytest.mark.parametrize("n", [1, 4096 * 16, 4096 * 16 * 3 + 77])
-def test_the_streaming_read_probe_sums_every_element_once(torch, n):
+@pytest.mark.parametrize("variant", [(4096, 16, 8), (16384, 4, 16), (2048, 32, 4)])
+def test_the_streaming_read_probe_sums_every_element_once(torch, n, variant):
     from mxdb.kernels.stream import stream_sum
 
     x = torch.randn(n, dtype=torch.float32, device="cuda").to(torch.bfloat16)
-    partial = stream_sum(x)
-    assert partial.numel() == -(-n // (4096 * 16))
+    partial = stream_sum(x, variant)
+    assert partial.numel() == -(-n // (variant[0] * variant[1]))
     want = x.float().sum().item()
     assert abs(partial.sum().item() - want) <= 1e-3 * max(1.0, abs(want)) + 1e-2
 
