@@ -14,10 +14,22 @@ Both are timed on the same replayed routing by CUDA-graph replay; the quality ra
 ``median(mxdb winner) / median(exhaustive best)`` from a final interleaved timing of the two
 (``--final-reps`` samples each), and GPU time is what the backend spent timing and checking
 (compile time is host time and is reported apart).  Target: ratio <= 1.01 with at most 10% of
-the exhaustive search's GPU time.
+the exhaustive search's GPU time; with a performance model ordering mxdb's first rung
+(``--model``), at most 5%, on a shape family the model was not trained on.
 
     python benchmarks/bench_tuning.py --backend fake --out out/bench        # CPU dry run
     python benchmarks/bench_tuning.py --backend gpu --out out/bench-h200     # on the GPU
+
+Against recorded sweeps (``--reuse-sweeps BUNDLE``: only mxdb's search and one final timing
+per point run), optionally ordered by a model, and published as a bundle:
+
+    python benchmarks/bench_tuning.py --backend gpu --reuse-sweeps evidence/h200-tuning-cost \
+        --model MODEL.json --out OUT
+    python benchmarks/bench_tuning.py --bundle-from OUT/bench_tuning_gpu.json \
+        --sweeps-from evidence/h200-tuning-cost --model MODEL.json --out BUNDLE
+
+``--backend replay`` runs the same reuse flow on the CPU, each point served from its recorded
+sweeps (``mxdb.tune.replay``, simulated GPU time and noise): how the options were chosen.
 """
 
 from __future__ import annotations
@@ -327,13 +339,28 @@ def _sweep(backend: Any, task: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _load_model(path: str | None) -> Any:
+    """The performance model of a ``--model`` run (None without one)."""
+    if not path:
+        return None
+    from mxdb.costmodel.model import PerfModel
+
+    return PerfModel.load(path)
+
+
 def _mxdb(backend: Any, task: dict[str, Any]) -> dict[str, Any]:
+    from mxdb.evidence.tuning_cost import mxdb_answer
+    from mxdb.tune.traces import classify
+
     name, m, kind, params = task["point"]
     shape, ids, syn = _point_traces(name, m, kind, params, task["dtype"], task["seed"])
+    # the routing class the tuner files the point under (and a model predicts at)
+    cls = classify(ids, shape.experts)
+    model = task.get("model_object") or _load_model(task.get("model"))
     point = PointInput(
         shape=shape,
-        replay=RoutingInput(ids, trace_hash(shape.experts, ids.tolist()), kind),
-        synthetic=RoutingInput(syn, trace_hash(shape.experts, syn.tolist()), kind),
+        replay=RoutingInput(ids, trace_hash(shape.experts, ids.tolist()), cls),
+        synthetic=RoutingInput(syn, trace_hash(shape.experts, syn.tolist()), cls),
         seed=task.get("search_seed", task["seed"]),
         run_prefix="bench",
         peer_seeds=tuple(KernelConfig.parse(c) for c in task.get("peer_seeds", [])),
@@ -346,21 +373,32 @@ def _mxdb(backend: Any, task: dict[str, Any]) -> dict[str, Any]:
         space=SearchSpace(shape, backend.profile()),
         budget_s=task.get("budget_s"),
         clock=backend.clock,
+        model=model,
     )
     winner = res.winner or res.baseline
+    # the tune's point decision needs held-out routing instances, which the benchmark does not
+    # time: it is recorded for reference, and the answer is the tuning-cost document's (its
+    # winner when it beats FlagGems' choice beyond the control pair's noise band)
     verdict = pointverdict.decide(
         [pointverdict.arm_from_measurement(m) for m in res.measurements if m.comparison]
     )
+    comparison: dict[str, Any] = {
+        "winner_config_hash": res.winner.hash if res.winner is not None else None,
+        "winner_samples_us": list(res.winner_samples),
+        "baseline_samples_us": list(res.baseline_samples),
+        "control_samples_us": [list(res.control_samples[0]), list(res.control_samples[1])],
+    }
+    comparison["answer"] = mxdb_answer(comparison)
+    comparison["verdict"] = verdict.status
+    comparison["reason"] = verdict.reason
     return {
         # mxdb's own final comparison (its replay stage): what it would dispatch
-        "comparison": {
-            "winner_config_hash": res.winner.hash if res.winner is not None else None,
-            "winner_samples_us": list(res.winner_samples),
-            "baseline_samples_us": list(res.baseline_samples),
-            "control_samples_us": [list(res.control_samples[0]), list(res.control_samples[1])],
-            "answer": "winner" if verdict.status == "verified" else "baseline",
-            "reason": verdict.reason,
-        },
+        "comparison": comparison,
+        "routing_class": cls,
+        "model_kept": [
+            {"config": c.model_dump(), "predicted_speedup": s} for c, s in res.model_kept
+        ],
+        "model_seconds": res.model_s,
         "budget_s": task.get("budget_s"),
         "budget_exhausted": res.budget_exhausted,
         "kind": "mxdb",
@@ -596,6 +634,8 @@ def main_gpu(args: argparse.Namespace) -> int:
 #: GEMM2 screen of rung 0's best, up to 4 coordinate-descent passes per GEMM.  Chosen on the CPU
 #: with ``benchmarks/sweep_replay.py``, which replays these same three points from the recorded
 #: H200 sweeps (so the choice is in-sample), to spend about 8-9% of the exhaustive GPU time.
+#: FlagGems' kernels only (``impls``): the exhaustive side sweeps vLLM's grid of FlagGems'
+#: kernels, so both searches cover the same space.
 BENCH_OPTIONS: dict[str, Any] = {
     "max_candidates": 60,
     "halving_rounds": 2,
@@ -608,9 +648,41 @@ BENCH_OPTIONS: dict[str, Any] = {
     "replay_reps": 10,
     "gemm2_pool": 18,
     "align_moves": False,
+    "impls": ["flaggems"],
 }
 #: A hard cap on mxdb's GPU time per point, as a share of the recorded exhaustive GPU time.
 BUDGET_FRACTION = 0.095
+#: The search options of a ``--model`` run: rung 0 = the model's best 30 uniform configs of
+#: the grid (``model_keep``) with FlagGems' choice and its line neighbourhood (36-45 configs at
+#: the three points), one halving rung on the replayed trace keeping a quarter, the per-GEMM
+#: screens (GEMM2 over rung 0's best, then GEMM1) and no coordinate descent.  Without a model,
+#: :data:`BENCH_OPTIONS` spend 42-45% of their GPU time on rungs 0-2 (77 configs, the ~0.7 s
+#: start-up of a point's first call included), 43-45% on the joint refinement (per-GEMM
+#: screens and coordinate descent, 94-105 configs) and 12% on the final replayed comparison;
+#: with one, the first rung is smaller and already holds the grid's best uniform configs (the
+#: model trained without Qwen3-30B-A3B ranks it 2nd, 28th and 27th of 1,284 at the three
+#: points), and the per-GEMM screens find the split configs: 56-58% rungs, 18-19% screens,
+#: 24-25% the final comparison (whose cost and the start-up's do not shrink with the rung).
+#: Chosen on the CPU by replaying these same three Qwen3-30B-A3B points from their recorded H200
+#: sweeps (``--backend replay``), so the options are in-sample; the model was not trained on
+#: the family.
+MODEL_OPTIONS: dict[str, Any] = {
+    "model_keep": 30,
+    "halving_rounds": 1,
+    "eta": 4,
+    "synthetic_reps": 2,
+    "refine_reps": 6,
+    "refine_steps": 0,
+    "finalists": 4,
+    "replicates": 3,
+    "replay_reps": 10,
+    "gemm2_pool": 9,
+    "align_moves": False,
+    "impls": ["flaggems"],
+}
+#: The GPU-time cap of a ``--model`` run (a share of the recorded exhaustive GPU time): below
+#: the 5% target with the replay stage's reserve inside it; the replayed runs end below it.
+MODEL_BUDGET_FRACTION = 0.048
 FINAL_LABELS = ["exhaustive_gemm1", "exhaustive_gemm2", "exhaustive_combined", "mxdb"]
 OPTIONS_DEFINITION = (
     "mxdb's search = mxdb.tune.search.search (the search of `mxdb tune`) with the options listed "
@@ -620,6 +692,23 @@ OPTIONS_DEFINITION = (
     "itself never reads the sweeps. Before the first point the process times FlagGems' choice "
     "once outside the meter (its start-up: warm_up_seconds); the recorded exhaustive GPU time "
     "includes its own processes' start-up (their first time() calls)."
+)
+
+
+MODEL_OPTIONS_DEFINITION = (
+    "mxdb's search = mxdb.tune.search.search (the search of `mxdb tune --perf-model`) with the "
+    "options listed under mxdb.options and the performance model named under perf_model "
+    "ordering and pruning its first rung (the model's best model_keep uniform configs of the "
+    "grid at the point's key, beside FlagGems' choice and its line neighbourhood), capped at "
+    "{fraction:.1%} of the point's recorded exhaustive GPU time. The model's training "
+    "families are listed under perf_model; a point's held_out_family is true when its family "
+    "is not among them (the point is then out-of-sample for the model). The options and the "
+    "cap were chosen on a CPU by replaying these same three points from their recorded sweeps "
+    "(benchmarks/bench_tuning.py --backend replay), so they are in-sample for the options; "
+    "the search itself never reads the sweeps. Before the first point the process "
+    "times FlagGems' choice once outside the meter (its start-up: warm_up_seconds); the "
+    "recorded exhaustive GPU time includes its own processes' start-up (their first time() "
+    "calls)."
 )
 
 
@@ -670,39 +759,90 @@ def _make_backend(kind: str, seed: int) -> Any:
     return GpuBackend(0, calls_per_sample=8, warmup=2, compile_workers=workers)
 
 
+def model_record(path: Path) -> dict[str, Any]:
+    """What a run's output records of the performance model that ordered its search: the path
+    it was given, the SHA-256 of the file and the families the model was trained on."""
+    from mxdb.costmodel.model import PerfModel
+    from mxdb.evidence.tuning_cost import model_names
+
+    doc = json.loads(path.read_text())
+    model = PerfModel.from_doc(doc, str(path))
+    return {
+        "path": str(path),
+        "sha256": _sha256(path),
+        "shape_families": sorted(model.families),
+        **model_names(doc),
+        "fingerprint_hash": model.fingerprint_hash,
+    }
+
+
+def run_options(model: bool, overrides: str | None = None) -> tuple[dict[str, Any], float]:
+    """The search options and the GPU-time cap (a share of the recorded exhaustive GPU time)
+    of a reuse run: :data:`MODEL_OPTIONS` with a model, :data:`BENCH_OPTIONS` without, then
+    ``overrides`` (a JSON object; its ``budget_fraction`` sets the cap)."""
+    options = {
+        **SearchOptions().model_dump(exclude={"budget_minutes"}),
+        **(MODEL_OPTIONS if model else BENCH_OPTIONS),
+    }
+    fraction = MODEL_BUDGET_FRACTION if model else BUDGET_FRACTION
+    if overrides:
+        extra = json.loads(overrides)
+        if not isinstance(extra, dict):
+            raise SystemExit("--options takes a JSON object of search options")
+        fraction = float(extra.pop("budget_fraction", fraction))
+        options.update(extra)
+    SearchOptions(**options)  # refuse a misspelled or out-of-range option before any timing
+    return options, fraction
+
+
 def main_reuse(args: argparse.Namespace) -> int:
-    """mxdb's search on every point of a recorded sweep bundle, and one fresh final timing."""
+    """mxdb's search on every point of a recorded sweep bundle, and one fresh final timing.
+
+    ``--backend replay`` serves each point from its own recorded sweeps
+    (:mod:`mxdb.tune.replay`, on the CPU): the same flow, with simulated GPU time and noise.
+    """
     from mxdb.tune.runner import warm_up
 
     src: Path = args.reuse_sweeps
     manifest = json.loads((src / "manifest.json").read_text())
     points = _source_points(src)
-    options = {**SearchOptions().model_dump(exclude={"budget_minutes"}), **BENCH_OPTIONS}
+    model_path: Path | None = args.model
+    model = _load_model(str(model_path)) if model_path is not None else None
+    options, fraction = run_options(model is not None, args.options)
     t0 = time.monotonic()
-    backend = _make_backend(args.backend, args.seed)
+    replay = args.backend == "replay"
+    backend = None if replay else _make_backend(args.backend, args.seed)
     first = points[0]
-    warm_s = warm_up(backend, _point_shape(first["point"][0], first["point"][1], first["dtype"]))
-    # a fresh process's first timing pays its start-up (CUDA graph machinery, kernel launchers,
-    # the inputs): ~5 s on an H200, more than half of a point's budget; time FlagGems' choice
-    # once, outside the meter, so that it does not land in the first point's search
-    tw = time.monotonic()
-    shape0, ids0, _ = _point_traces(*first["point"], first["dtype"], first["seed"])  # type: ignore[call-arg]
-    backend.time(shape0, ids0, [backend.baseline_config(shape0)], reps=2, seed=first["seed"])
-    warm_s += time.monotonic() - tw
+    warm_s = 0.0
+    if backend is not None:
+        shape_f = _point_shape(first["point"][0], first["point"][1], first["dtype"])
+        warm_s = warm_up(backend, shape_f)
+        # a fresh process's first timing pays its start-up (CUDA graph machinery, kernel
+        # launchers, the inputs): ~5 s on an H200, more than half of a point's budget; time
+        # FlagGems' choice once, outside the meter, so that it does not land in the first
+        # point's search
+        tw = time.monotonic()
+        shape0, ids0, _ = _point_traces(*first["point"], first["dtype"], first["seed"])  # type: ignore[call-arg]
+        backend.time(shape0, ids0, [backend.baseline_config(shape0)], reps=2, seed=first["seed"])
+        warm_s += time.monotonic() - tw
     out_points = []
+    fp = None
     for i, sp in enumerate(points):
         pt = sp["point"]
         common = {"dtype": sp["dtype"], "seed": sp["seed"], "point": pt}
-        budget = BUDGET_FRACTION * sp["exhaustive_gpu_seconds"]
+        be = backend if backend is not None else _replay_backend(src, sp, args.seed)
+        fp = fp or be.fingerprint()
+        budget = fraction * sp["exhaustive_gpu_seconds"]
         tp = time.monotonic()
-        mx = _mxdb(Metered(backend), {**common, "options": options, "budget_s": budget})
+        task = {**common, "options": options, "budget_s": budget, "model_object": model}
+        mx = _mxdb(Metered(be), task)
         mx["wall_seconds"] = time.monotonic() - tp
         b1 = KernelConfig.parse(sp["sweeps"]["gemm1"]["best"])
         b2 = KernelConfig.parse(sp["sweeps"]["gemm2"]["best"])
         lineup = [b1, b2, joint(b1.gemm1, b2.gemm2), KernelConfig.parse(mx["winner"])]
         tf = time.monotonic()
         final = _final(
-            Metered(backend),
+            Metered(be),
             {
                 **common,
                 "lineup": [c.model_dump_json() for c in lineup],
@@ -720,19 +860,26 @@ def main_reuse(args: argparse.Namespace) -> int:
                 "tasks": {f"p{i}-mxdb": mx, f"p{i}-final": final},
             }
         )
+        meds = [stats.median(x) if x else float("inf") for x in final["samples_us"]]
+        answer = mx["comparison"]["answer"]
+        ratio = (meds[3] if answer == "winner" else meds[4]) / min(meds[:3])
         print(
             f"p{i} {pt[0]} M={pt[1]} {pt[2]}: mxdb {mx['gpu_seconds']:.2f} s GPU of "
             f"{sp['exhaustive_gpu_seconds']:.1f} s recorded "
             f"({100 * mx['gpu_seconds'] / sp['exhaustive_gpu_seconds']:.1f}%), "
-            f"answer {mx['comparison']['answer']}, {time.monotonic() - tp:.1f} s wall",
+            f"answer {answer} (ratio {ratio:.4f}), {time.monotonic() - tp:.1f} s wall",
             file=sys.stderr,
             flush=True,
         )
-    close = getattr(backend, "close", None)
-    fp = backend.fingerprint()
-    if callable(close):
-        close()
+    if backend is not None:
+        close = getattr(backend, "close", None)
+        if callable(close):
+            close()
+    assert fp is not None
     files = sorted({rel for sp in points for s in sp["sweeps"].values() for rel in [s["file"]]})
+    definition = (MODEL_OPTIONS_DEFINITION if model is not None else OPTIONS_DEFINITION).format(
+        fraction=fraction
+    )
     doc = {
         "benchmark": "mxdb.bench_tuning",
         "mode": "reuse",
@@ -748,17 +895,29 @@ def main_reuse(args: argparse.Namespace) -> int:
         "exhaustive_definition": EXHAUSTIVE_DEFINITION.format(samples=3, calls=8),
         "gpu_time_definition": GPU_TIME_DEFINITION,
         "options": options,
-        "budget_fraction": BUDGET_FRACTION,
-        "options_definition": OPTIONS_DEFINITION.format(fraction=BUDGET_FRACTION),
+        "budget_fraction": fraction,
+        "options_definition": definition,
         "final_reps": args.final_reps,
         "warm_up_seconds": warm_s,
         "points": out_points,
         "wall_seconds": time.monotonic() - t0,
     }
+    if model_path is not None:
+        doc["perf_model"] = model_record(model_path)
     args.out.mkdir(parents=True, exist_ok=True)
     path = atomic_write_json(args.out / "bench_tuning_gpu.json", doc)
     print(path)
     return 0
+
+
+def _replay_backend(src: Path, sp: dict[str, Any], seed: int) -> Any:
+    """The replay backend of one recorded point (its sweeps), its start-up paid outside."""
+    from mxdb.tune.replay import SweepReplay, SweepTable
+
+    shape, ids, _ = _point_traces(*sp["point"], sp["dtype"], sp["seed"])  # type: ignore[call-arg]
+    backend = SweepReplay(SweepTable.load(src, sp["id"]), shape, ids, seed=seed)
+    backend.warm_up()
+    return backend
 
 
 def _run_inline(kind: str, seed: int, tasks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -793,6 +952,7 @@ def build_bundle(
     *,
     sweeps_from: Path | None = None,
     milestone: str = "h200-tuning-cost",
+    model_from: Path | None = None,
 ) -> Path:
     """An evidence bundle of a GPU run: final interleaved runs, sweeps and tuning_cost.json.
 
@@ -800,7 +960,11 @@ def build_bundle(
     environment the run measured in, when the raw file carries none of its own.  A run made
     with ``--reuse-sweeps`` names the bundle whose sweeps it reused; ``sweeps_from`` is that
     bundle's folder: its sweep files are copied byte for byte (their SHA-256 must match the
-    ones the run recorded) and its recorded exhaustive GPU time is carried over.
+    ones the run recorded) and its recorded exhaustive GPU time is carried over.  A run made
+    with ``--model`` names the performance model that ordered its search; ``model_from`` is
+    that model.json: it is copied byte for byte into the bundle (``perf_model/model.json``; its
+    SHA-256 must match the one the run recorded), so that the audit can read the families the
+    model was trained on.
     """
     from mxdb.evidence.tuning_cost import TUNING_COST_NAME, build_tuning_cost
     from mxdb.evidence.writer import BundleWriter
@@ -821,6 +985,16 @@ def build_bundle(
         for rel, digest in source["files"].items():
             if _sha256(sweeps_from / rel) != digest:
                 raise SystemExit(f"{sweeps_from / rel} is not the file the run reused")
+    model_rec = raw.get("perf_model")
+    model_bytes: bytes | None = None
+    if model_rec is not None:
+        if model_from is None:
+            raise SystemExit("a --model run needs --model (the model.json it was run with)")
+        model_bytes = model_from.read_bytes()
+        if _sha256(model_from) != model_rec["sha256"]:
+            raise SystemExit(f"{model_from} is not the model the run was ordered by")
+    elif model_from is not None:
+        raise SystemExit("--model: this run's search was not ordered by a model")
     w = BundleWriter(out_dir, milestone=milestone, fingerprint=fp)
     points_doc = []
     sweeps: dict[str, Any] = {}
@@ -942,7 +1116,15 @@ def build_bundle(
             "new interleaved timing of the sweeps' best configs, mxdb's winner and FlagGems' "
             "choice (twice: the control pair)"
         )
-    doc = build_tuning_cost(points_doc, runs, sweep_docs, definitions=definitions)
+    perf_model = None
+    if model_rec is not None and model_bytes is not None:
+        from mxdb.evidence.tuning_cost import PERF_MODEL_FILE
+
+        perf_model = {**model_rec, "file": PERF_MODEL_FILE}
+        _write_raw(w, PERF_MODEL_FILE, model_bytes)
+    doc = build_tuning_cost(
+        points_doc, runs, sweep_docs, definitions=definitions, perf_model=perf_model
+    )
     for rel, sdoc in sweeps.items():
         if isinstance(sdoc, bytes):
             _write_raw(w, rel, sdoc)  # the reused sweep, byte for byte
@@ -962,7 +1144,13 @@ def _write_raw(w: Any, rel: str, data: bytes) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
-    ap.add_argument("--backend", choices=["fake", "gpu"], default="fake")
+    ap.add_argument(
+        "--backend",
+        choices=["fake", "gpu", "replay"],
+        default="fake",
+        help="replay (with --reuse-sweeps only): each point served from its recorded sweeps on "
+        "the CPU (mxdb.tune.replay), with simulated GPU time",
+    )
     ap.add_argument("--out", required=True, type=Path, help="folder for bench_tuning.json")
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--exhaustive-reps", type=int, default=100)
@@ -994,6 +1182,23 @@ def main(argv: list[str] | None = None) -> int:
         help="fake backend: the GPU run's exhaustive sweeps + search flow, in-process",
     )
     ap.add_argument("--sweeps-from", type=Path, default=None, help="with --bundle-from")
+    ap.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        metavar="MODEL.json",
+        help="with --reuse-sweeps: a performance model (the model.json of a mxdb.perf-model "
+        "bundle) orders and prunes the search's first rung, with the benchmark's model options; "
+        "with --bundle-from: that same file, copied into the bundle (its SHA-256 must be the "
+        "one the run recorded)",
+    )
+    ap.add_argument(
+        "--options",
+        default=None,
+        metavar="JSON",
+        help="with --reuse-sweeps: search options overriding the benchmark's (a JSON object; "
+        "budget_fraction sets the GPU-time cap)",
+    )
     ap.add_argument("--milestone", default="h200-tuning-cost", help="with --bundle-from")
     args = ap.parse_args(argv)
     if args.bundle_from is not None:
@@ -1007,9 +1212,12 @@ def main(argv: list[str] | None = None) -> int:
                 args.fingerprint,
                 sweeps_from=args.sweeps_from,
                 milestone=args.milestone,
+                model_from=args.model,
             )
         )
         return 0
+    if args.reuse_sweeps is None and (args.backend == "replay" or args.model or args.options):
+        ap.error("--backend replay, --model and --options go with --reuse-sweeps")
     if args.reuse_sweeps is not None:
         if args.final_reps == 200:
             args.final_reps = 30

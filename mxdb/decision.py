@@ -2,7 +2,10 @@
 
 A decision is a frozen slots dataclass (cheap to build and pass on the hot
 path).  ``config`` is ``None`` for a fallback: the caller then uses FlagGems'
-own choice.
+own choice.  Levels, from the most to the least measured: ``exact`` and
+``neighbour`` (a stored entry answered), ``predicted`` (the learned performance
+model answered a shape family the store has not measured here; ``entry_id`` is
+None) and ``fallback``.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from mxdb.ops import config_to_json
 #: The level that answered.
 EXACT = "exact"
 NEIGHBOUR = "neighbour"
+PREDICTED = "predicted"
 FALLBACK = "fallback"
-LEVELS = (EXACT, NEIGHBOUR, FALLBACK)
+LEVELS = (EXACT, NEIGHBOUR, PREDICTED, FALLBACK)
 
 #: Machine-readable reasons.
 REASONS: dict[str, str] = {
@@ -40,6 +44,14 @@ REASONS: dict[str, str] = {
     "routing instances measured, and faster pooled over them",
     "peer_parity": "(the name of `parity` in records of earlier versions, which held peer "
     "table rows only)",
+    "predicted": "the store has not measured this shape family here; the performance model's "
+    "choice, which its gate admits (calibrated confidence and predicted speedup over FlagGems' "
+    "own choice at or above the gate's thresholds)",
+    "prediction_not_confident": "the store has not measured this shape family here and the "
+    "performance model's gate refused its choice (confidence or predicted speedup below the "
+    "gate, or nothing predicted faster than FlagGems' own choice)",
+    "model_error": "the store has not measured this shape family here and the performance model "
+    "failed while answering: not answered",
     "healing_fallback": "self-healing moved this key to FlagGems' own choice: every config the "
     "store offers for it measured slower than its baseline here",
 }

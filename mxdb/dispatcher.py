@@ -21,6 +21,18 @@ the answer is the fallback (FlagGems' choice) with reason ``baseline_measured``.
 every routing instance measured, and faster pooled over them) answers its own key only, with
 reason ``parity``;
 it ranks below a baseline record and above verified entries of the same key.
+
+With a performance model (``DispatchOptions(model=)``: a ``model.json`` written by ``mxdb model
+train``, or ``$MXDB_MODEL`` for the dispatcher ``configure`` builds), a key the store cannot
+answer is asked of the model only where the store has not measured the shape family here (no
+row of any status for the family and dtype whose fingerprint matches the current one under the
+policy), the dtype is bf16 (what the model was trained on) and the model's fingerprint matches
+the current one under the same policy.  The model's answer, when its gate admits it, is level
+``predicted`` (reason ``predicted``, confidence the model's calibrated one, no entry); a refused
+choice is the fallback ``prediction_not_confident`` and a model that fails while answering the
+fallback ``model_error`` (never an exception).  The model is asked once per key: its decision is
+cached like every other one, and kept across store refreshes (a model's answer depends on the
+key alone).
 """
 
 from __future__ import annotations
@@ -34,36 +46,51 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mxdb.decision import EXACT, NEIGHBOUR, Decision, fallback
+from mxdb.decision import EXACT, NEIGHBOUR, PREDICTED, Decision, fallback
 from mxdb.errors import MxdbError, UsageError
 from mxdb.models import ADJACENT_CLASSES, DECIDED_STATUSES, ROUTING_CLASSES, Fingerprint
 from mxdb.ops import parse_config
-from mxdb.shapes import MOE_OP
+from mxdb.shapes import MOE_OP, MoEShape
 
 if TYPE_CHECKING:
     from mxdb.configs import KernelConfig
-    from mxdb.shapes import MoEShape
+    from mxdb.costmodel.model import PerfModel
     from mxdb.store import DispatchRow, Store
 
 
 #: Confidence of an entry recorded before held-out validation, at its own key; every other
 #: answer's confidence is a measured fraction of held-out routing instances won.
 CONFIDENCE_EXACT = 1.0
+#: The dtype a performance model answers for (the dtype its sweeps timed).
+MODEL_DTYPE = "bf16"
+#: The environment variable naming the performance model of the default options.
+MODEL_ENV = "MXDB_MODEL"
 
 
 @dataclass(frozen=True)
 class DispatchOptions:
-    """How strict the dispatcher is and how often it looks for store changes."""
+    """How strict the dispatcher is, how often it looks for store changes, and the performance
+    model (if any) that answers shape families the store has not measured.
+
+    ``model`` is a path to a ``model.json`` (or the bundle folder holding it) or a loaded
+    :class:`mxdb.costmodel.model.PerfModel`; a path is loaded here, and a model that cannot be
+    loaded is a :class:`~mxdb.errors.UsageError` naming the path and the problem.  After
+    construction ``model`` is the loaded model (or None).
+    """
 
     policy: str = "strict"
     neighbour_ratio: float = 2.0
     refresh_interval: float = 1.0
     default_routing_class: str = "uniform"
+    model: str | os.PathLike[str] | PerfModel | None = field(default=None, hash=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.model is not None:
+            object.__setattr__(self, "model", load_model(self.model))
         if self.policy not in ("strict", "device"):
             raise UsageError(f"fingerprint policy {self.policy!r} unknown; use strict or device")
         if not self.neighbour_ratio >= 1.0:
@@ -76,6 +103,68 @@ class DispatchOptions:
                 f"use one of {', '.join(ROUTING_CLASSES)}"
             )
 
+    @property
+    def perf_model(self) -> PerfModel | None:
+        """The loaded performance model, or None."""
+        if self.model is None:
+            return None  # without importing the model's code (and numpy)
+        from mxdb.costmodel.model import PerfModel
+
+        return self.model if isinstance(self.model, PerfModel) else None
+
+
+def load_model(model: str | os.PathLike[str] | PerfModel) -> PerfModel:
+    """A performance model from a ``model.json`` path (or its bundle folder), checked for what
+    the dispatcher needs; a loaded :class:`~mxdb.costmodel.model.PerfModel` is checked as is.
+
+    Raises :class:`~mxdb.errors.UsageError` naming the path and what is wrong.
+    """
+    from mxdb.costmodel.model import PerfModel
+
+    if isinstance(model, PerfModel):
+        loaded = model
+    elif isinstance(model, (str, os.PathLike)):
+        path = Path(model)
+        if path.is_dir() and (path / "model.json").is_file():
+            path = path / "model.json"
+        loaded = PerfModel.load(path)
+    else:
+        raise UsageError(
+            "DispatchOptions(model=) takes a path to a performance model's model.json or a "
+            f"loaded mxdb.costmodel.model.PerfModel; got {type(model).__name__}"
+        )
+    problem = _model_problem(loaded)
+    if problem is not None:
+        raise UsageError(f"performance model {loaded.path or '(given loaded)'}: {problem}")
+    return loaded
+
+
+def _model_problem(model: PerfModel) -> str | None:
+    """What makes ``model`` unusable for answering, or None."""
+    from mxdb.costmodel.features import FEATURE_NAMES
+
+    forest = model.forest
+    if not isinstance(forest, Mapping):
+        return f"its model is a {type(forest).__name__}, not an object"
+    if forest.get("kind") != "forest":
+        return f"its model is of kind {forest.get('kind')!r}; answering needs a 'forest'"
+    if forest.get("n_features") != len(FEATURE_NAMES):
+        return (
+            f"its forest takes {forest.get('n_features')!r} features, this version of mxdb "
+            f"computes {len(FEATURE_NAMES)}: train it again with this version (mxdb model train)"
+        )
+    trees = forest.get("trees")
+    if not isinstance(trees, list) or not trees:
+        return "its forest has no trees"
+    cal = model.calibration
+    try:
+        float(cal["a"]), float(cal["b"])
+    except (KeyError, TypeError, ValueError):
+        return "its calibration lacks the numbers 'a' and 'b'"
+    if not model.fingerprint_hash:
+        return "it names no fingerprint_hash"
+    return None
+
 
 @dataclass
 class _Family:
@@ -85,6 +174,12 @@ class _Family:
     #: routing class -> (sorted token counts, the best eligible row at each); None until built
     index: dict[str, tuple[list[int], list[DispatchRow]]] | None = None
     empty_reason: str = "no_verified_entry"
+    #: whether a row of any status matches the current fingerprint; None until worked out
+    measured_here: bool | None = None
+
+
+#: ``Dispatcher._model_fp`` before the model bundle's fingerprint was looked for
+_UNREAD: Any = object()
 
 
 class Dispatcher:
@@ -110,6 +205,12 @@ class Dispatcher:
         #: (shape, routing class) -> decision put in front of the store's answer (self-healing);
         #: kept in the per-key cache itself, so a call with no override costs nothing more.
         self._overrides: dict[tuple[Any, Any], Decision] = {}
+        #: the performance model, and its decision per (shape, routing class): asked once a key,
+        #: kept across refreshes and invalidations (its answer depends on the key alone)
+        self._model = self.options.perf_model
+        self._predictions: dict[tuple[Any, str], Decision] = {}
+        #: the components of the model's fingerprint, from its bundle's fingerprint.json
+        self._model_fp: Fingerprint | None = _UNREAD
         self._generation = store.generation() if store is not None else 0
         #: refresh_interval == 0: check the generation synchronously on every call
         self._sync = self.options.refresh_interval == 0
@@ -182,6 +283,8 @@ class Dispatcher:
         shadow = Dispatcher(None, self.fingerprint, replace(self.options, refresh_interval=0))
         shadow.store = store
         shadow._configs = self._configs  # keyed by config hash: never change
+        shadow._predictions = self._predictions  # keyed by (shape, class): never change
+        shadow._model_fp = self._model_fp
         shadow._fingerprints = fps
         unchanged: set[tuple[str, str, str]] = set()
         for key, fam in families.items():
@@ -261,6 +364,8 @@ class Dispatcher:
         first = self.resolve(shape, routing)
         if first.config is None:
             return []
+        if first.level == PREDICTED:
+            return [first]  # no stored row of this family matches here
         with self._lock:
             fam = self._family(shape.op, shape.dtype, shape.family)
             assert fam is not None
@@ -333,13 +438,57 @@ class Dispatcher:
             return fallback("unknown_routing_class")
         fam = self._family(shape.op, shape.dtype, shape.family)
         if fam is None or not fam.rows:
-            return fallback("no_entry")
+            decision = fallback("no_entry")
+            return self._predict(shape, routing_class, fam, decision)
         if fam.index is None:
             self._index(fam)
         assert fam.index is not None
         if not fam.index:
-            return fallback(fam.empty_reason)
+            decision = fallback(fam.empty_reason)
+            return self._predict(shape, routing_class, fam, decision)
         return self._choose(fam, shape.op, shape.tokens, routing_class)
+
+    def _predict(
+        self, shape: Any, routing_class: str, fam: _Family | None, store_decision: Decision
+    ) -> Decision:
+        """The performance model's decision where the store's is ``store_decision`` (a
+        fallback): asked only where the store has not measured the family here, for bf16 and a
+        model whose fingerprint matches; otherwise the store's decision stands."""
+        model = self._model
+        if model is None or not isinstance(shape, MoEShape) or shape.dtype != MODEL_DTYPE:
+            return store_decision
+        if fam is not None and fam.rows:
+            if fam.measured_here is None:
+                fam.measured_here = any(self._fingerprint_ok(r.fingerprint_hash) for r in fam.rows)
+            if fam.measured_here:
+                return store_decision
+        if not self._fingerprint_ok(model.fingerprint_hash):
+            return store_decision
+        key = (shape, routing_class)
+        decision = self._predictions.get(key)
+        if decision is None:
+            decision = self._ask_model(model, shape, routing_class)
+            self._predictions[key] = decision
+        return decision
+
+    @staticmethod
+    def _ask_model(model: PerfModel, shape: MoEShape, routing_class: str) -> Decision:
+        """The model's answer at the key as a decision; never raises."""
+        try:
+            choice = model.answer(shape, routing_class)
+            if choice is None:
+                return fallback("prediction_not_confident")
+            confidence = float(choice.confidence) if choice.confidence is not None else math.nan
+            if choice.config is None or not 0.0 <= confidence <= 1.0:
+                return fallback("model_error")
+            return Decision(
+                config=choice.config,
+                level=PREDICTED,
+                confidence=round(confidence, 4),
+                reason="predicted",
+            )
+        except Exception:  # a model that fails is a fallback, never an error in the caller
+            return fallback("model_error")
 
     def _index(self, fam: _Family) -> None:
         """Group the dispatchable rows by routing class, sorted by tokens, best row per token count."""
@@ -546,13 +695,43 @@ class Dispatcher:
             else:
                 from mxdb.fingerprint import matches
 
-                if self._fingerprints is None:
-                    assert self.store is not None
-                    self._fingerprints = self.store.fingerprints()
-                other = self._fingerprints.get(fingerprint_hash)
+                other = self._recorded_fingerprint(fingerprint_hash)
                 ok = other is not None and matches(other, self.fingerprint, self.options.policy)
             self._match_cache[fingerprint_hash] = ok
         return ok
+
+    def _recorded_fingerprint(self, fingerprint_hash: str) -> Fingerprint | None:
+        """The components of a fingerprint hash: from the store's fingerprints, else (the
+        model's own) from the model bundle's ``fingerprint.json``."""
+        if self.store is not None:
+            if self._fingerprints is None:
+                self._fingerprints = self.store.fingerprints()
+            other = self._fingerprints.get(fingerprint_hash)
+            if other is not None:
+                return other
+        model = self._model
+        if model is None or fingerprint_hash != model.fingerprint_hash:
+            return None
+        if self._model_fp is _UNREAD:
+            self._model_fp = _bundle_fingerprint(model)
+        return self._model_fp
+
+
+def _bundle_fingerprint(model: PerfModel) -> Fingerprint | None:
+    """The fingerprint recorded beside the model file (its bundle's), when its hash is the
+    model's; None when there is none or it cannot be read."""
+    if not model.path:
+        return None
+    path = Path(model.path).parent / "fingerprint.json"
+    if not path.is_file():
+        return None
+    from mxdb.fingerprint import load_fingerprint
+
+    try:
+        fp = load_fingerprint(path)
+    except (MxdbError, OSError, ValueError):
+        return None
+    return fp if fp.hash == model.fingerprint_hash else None
 
 
 # -- the background refresher ----------------------------------------------------------
@@ -623,16 +802,34 @@ def current_fingerprint() -> Fingerprint:
     return collect(live)
 
 
+def default_options() -> DispatchOptions:
+    """The options of the process-wide dispatcher when none are given: the defaults, with the
+    performance model ``$MXDB_MODEL`` names (a ``model.json``; unset or empty: none)."""
+    path = os.environ.get(MODEL_ENV, "")
+    if not path:
+        return DispatchOptions()
+    try:
+        return DispatchOptions(model=path)
+    except UsageError as exc:
+        raise UsageError(f"${MODEL_ENV}: {exc}") from None
+
+
 def configure(
     store: Store | str | None = None,
     *,
     fingerprint: Fingerprint | None = None,
     options: DispatchOptions | None = None,
 ) -> Dispatcher:
-    """Set up the process-wide dispatcher used by ``mxdb.dispatch`` and return it."""
+    """Set up the process-wide dispatcher used by ``mxdb.dispatch`` and return it.
+
+    Without ``options``, :func:`default_options`: ``$MXDB_MODEL`` names a performance model
+    that answers shape families the store has not measured (level ``predicted``).
+    """
     from mxdb.store import Store
 
     global _default
+    if options is None:
+        options = default_options()
     opened = store if isinstance(store, Store) else Store.open(store)
     dispatcher = Dispatcher(opened, fingerprint or current_fingerprint(), options)
     with _default_lock:
@@ -648,7 +845,7 @@ def default_dispatcher() -> Dispatcher:
             if _default is None:
                 from mxdb.store import Store
 
-                _default = Dispatcher(Store.open(None), current_fingerprint())
+                _default = Dispatcher(Store.open(None), current_fingerprint(), default_options())
     return _default
 
 

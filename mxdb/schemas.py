@@ -25,7 +25,7 @@ DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
 #: name -> (model "module:Class", schema version, pydantic JSON-schema mode)
 REGISTRY: dict[str, tuple[str, str, str]] = {
-    "workload": ("mxdb.tune.workload:Workload", "1.4", "validation"),
+    "workload": ("mxdb.tune.workload:Workload", "1.5", "validation"),
     "trace": ("mxdb.evidence.models:TraceDoc", "1.0", "serialization"),
     "run": ("mxdb.evidence.models:RunRecord", "1.3", "serialization"),
     "manifest": ("mxdb.evidence.models:Manifest", "1.0", "serialization"),
@@ -41,6 +41,9 @@ REGISTRY: dict[str, tuple[str, str, str]] = {
     "self-healing": ("mxdb.evidence.healing:SelfHealingDoc", "1.0", "serialization"),
     "serving": ("mxdb.evidence.serving:ServingDoc", "1.1", "serialization"),
     "stages": ("mxdb.evidence.stages:StagesDoc", "1.1", "serialization"),
+    "perf-check": ("mxdb.evidence.perfcheck:CheckDoc", "1.0", "serialization"),
+    "perf-sweep": ("mxdb.evidence.sweep:SweepDoc", "1.0", "serialization"),
+    "perf-model": ("mxdb.evidence.perfmodel:PerfModelDoc", "1.0", "serialization"),
 }
 
 #: The document name a file declares in its "schema" field -> registry name.
@@ -61,6 +64,9 @@ DOCUMENT_NAMES: dict[str, str] = {
     "mxdb.self-healing": "self-healing",
     "mxdb.serving": "serving",
     "mxdb.stages": "stages",
+    "mxdb.perf-check": "perf-check",
+    "mxdb.perf-sweep": "perf-sweep",
+    "mxdb.perf-model": "perf-model",
 }
 
 

@@ -18,17 +18,22 @@ def dispatch_once(
     fingerprint_file: str | Path | None = None,
     policy: str = "strict",
     offline: bool = False,
+    perf_model: str | Path | None = None,
 ) -> dict[str, Any]:
     """The dispatch decision for one call, as a JSON-ready dict (shape and routing included).
 
     Without ``fingerprint_file`` it answers for this host (``mxdb.hostinfo.host_fingerprint``:
     the live fingerprint on a GPU host, the GPU-free one with ``offline`` or without a GPU).
+    With ``perf_model`` (a model.json) a family the store never measured here may be answered
+    by that performance model; the model is loaded, and checked, before the store is opened.
     """
     from mxdb.dispatcher import Dispatcher, DispatchOptions
     from mxdb.fingerprint import load_fingerprint
     from mxdb.hostinfo import host_fingerprint
     from mxdb.store import Store
 
+    # no refresher thread: one resolution, then the store is closed
+    options = DispatchOptions(policy=policy, refresh_interval=0, model=perf_model)
     if routing_trace is not None and routing_class is not None:
         raise UsageError("give either --routing-trace or --routing-class, not both")
     features: dict[str, Any] | None = None
@@ -51,7 +56,7 @@ def dispatch_once(
         host = host_fingerprint(offline=offline)
         fingerprint, source = host.fingerprint, host.source
     with Store.open(db, create=False) as store:
-        dispatcher = Dispatcher(store, fingerprint, DispatchOptions(policy=policy))
+        dispatcher = Dispatcher(store, fingerprint, options)
         decision = dispatcher.resolve(shape, routing_class)
     out: dict[str, Any] = {
         "shape": {**shape.to_dict(), "family": shape.family},
@@ -61,6 +66,10 @@ def dispatch_once(
         **decision.to_dict(),
         "config_short": decision.config.short() if decision.config is not None else None,
     }
+    model = options.perf_model
+    if model is not None:
+        out["perf_model"] = model.path
+        out["perf_model_fingerprint_hash"] = model.fingerprint_hash
     if features is not None:
         out["routing_features"] = features
     return out

@@ -43,6 +43,9 @@ def test_the_documented_commands_exist() -> None:
         "report",
         "sign",
         "tune",
+        "model",
+        "model train",
+        "model predict",
     ):
         assert required in names, f"mxdb {required} is missing; have {sorted(names)}"
 

@@ -5,6 +5,8 @@ document that is a derived figure (not a raw sample, setting or identity) is edi
 the bundle re-manifested (so that only the semantic checks can catch the edit), and the audit
 must name the document in a finding.  Kinds with many figures are sampled deterministically:
 every distinct figure (its path with list indices dropped) once, evenly spread up to a bound.
+A kind whose bundle is not committed yet, or takes seconds to audit, is given a synthetic one,
+built in the test (``BUILT``).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import fnmatch
 import json
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -141,7 +143,97 @@ KINDS: dict[str, tuple[str, str, tuple[str, ...]]] = {
             "points[*].stages_over_layer",
         ),
     ),
+    "perf-check": (
+        "h200-perf-check",
+        "check.json",
+        (
+            "figures.answered*",
+            "figures.by_family.*.answered_slower",
+            "figures.by_family.*.geomean_dispatch_speedup",
+            "figures.calibration_error",
+            "figures.candidates_timed",
+            "figures.confidence_bins[*].count",
+            "figures.confidence_bins[*].mean_confidence",
+            "figures.confidence_bins[*].win_rate",
+            "figures.geomean_*",
+            "figures.mean_confidence",
+            "figures.points",
+            "figures.win_rate",
+            "points[*].arms[*].median_us",
+            "points[*].candidate_speedup",
+            "points[*].confidence",
+            "points[*].dispatch_speedup",
+            "points[*].noise_band",
+            "points[*].plan_entry.agreement",
+            "points[*].plan_entry.confidence",
+            "points[*].plan_entry.predicted",
+            "targets[*].measured",
+        ),
+    ),
+    "perf-sweep": (
+        "h200-perf-sweep",
+        "sweep.json",
+        (
+            "figures.*",
+            "keys[*].arms[*].median_us",
+            "keys[*].arms[*].speedup",
+            "keys[*].baseline_median_us",
+            "keys[*].best.speedup",
+            "keys[*].noise_band",
+        ),
+    ),
+    "perf-model": (
+        "h200-perf-model",
+        "model.json",
+        (
+            "calibration.*",
+            "gate.*",
+            "model.trees[*].threshold[*]",
+            "model.trees[*].value[*]",
+            "training.classes.*",
+            "training.keys",
+            "training.lofo_calibrations.*",
+            "training.outcomes[*].agreement",
+            "training.outcomes[*].best",
+            "training.outcomes[*].measured",
+            "training.outcomes[*].predicted",
+            "training.rows",
+        ),
+    ),
 }
+
+
+def _perfcheck_bundle(parent: Path) -> Path:
+    from test_perfcheck_evidence import synthetic_check_bundle
+
+    return synthetic_check_bundle(parent)
+
+
+#: kinds whose bundle is not committed yet: a builder writes a synthetic one (with the sibling
+#: bundles it names) into the test's folder and returns its path (its folder is the kind's
+#: bundle name in KINDS)
+BUILT: dict[str, Callable[[Path], Path]] = {"perf-check": _perfcheck_bundle}
+
+
+def _perfsweep_bundle(parent: Path) -> Path:
+    from test_sweep_evidence import synthetic_sweep_bundle
+
+    return synthetic_sweep_bundle(parent, "h200-perf-sweep")
+
+
+def _perfmodel_bundle(parent: Path) -> Path:
+    from test_sweep_evidence import synthetic_sweep_bundle
+
+    from mxdb.evidence.perfmodel import write_model_bundle
+
+    sweep = synthetic_sweep_bundle(parent, "h200-perf-sweep")
+    return write_model_bundle([sweep], parent / "h200-perf-model")
+
+
+#: kinds whose committed bundle takes seconds to audit (a 6 MB document), once per edit: a
+#: small synthetic one of the same kind stands in (test_sweep_evidence and
+#: test_perfmodel_evidence audit the committed ones)
+BUILT.update({"perf-sweep": _perfsweep_bundle, "perf-model": _perfmodel_bundle})
 
 Path_ = tuple[str | int, ...]
 
@@ -210,8 +302,12 @@ def _get(doc: Any, path: Path_) -> Any:
 @pytest.mark.parametrize("kind", sorted(KINDS))
 def test_every_declared_figure_is_checked(kind: str, tmp_path: Path) -> None:
     bundle, name, patterns = KINDS[kind]
-    root = tmp_path / bundle
-    shutil.copytree(EVIDENCE / bundle, root)
+    if kind in BUILT:
+        root = BUILT[kind](tmp_path)
+        assert root.name == bundle
+    else:
+        root = tmp_path / bundle
+        shutil.copytree(EVIDENCE / bundle, root)
     assert not audit_paths([root], AuditOptions()).findings, "the committed bundle audits clean"
     original = (root / name).read_bytes()
     manifest = (root / "manifest.json").read_bytes()

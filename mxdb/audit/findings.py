@@ -203,6 +203,75 @@ CHECKS: dict[str, str] = {
     "stages.geomean_mismatch": "a stage-profile geometric mean or count differs",
     "stages.field_mismatch": "another stage-profile field differs from mxdb's",
     "stages.report_mismatch": "report/stages.md is not the rendering of stages.json",
+    "perfcheck.fingerprint_mismatch": "a model check names another environment than its bundle",
+    "perfcheck.sample_invalid": "a model-check sample is not finite positive, an arm that ran has "
+    "not one sample per round, or an arm that did not run has samples",
+    "perfcheck.arms_invalid": "a model-check point's arms are not FlagGems' choice as baseline "
+    "and controls, then at most one candidate",
+    "perfcheck.config_mismatch": "a model-check copy does not run the point's baseline, or its "
+    "candidate is not the config of its plan entry",
+    "perfcheck.shape_mismatch": "a model-check point's shape is not its family's at its M (bf16)",
+    "perfcheck.routing_mismatch": "a model-check point's counts are not a routing of its slots, "
+    "or its routing class is not the class of its counts",
+    "perfcheck.trace_mismatch": "a model-check routing instance does not regenerate to its trace "
+    "hash and counts (or is not of the check's generator)",
+    "perfcheck.point_duplicate": "a model-check routing instance is counted twice",
+    "perfcheck.plan_mismatch": "a model-check plan entry is missing, repeated, not the gate's "
+    "verdict, not lofo_plan's recomputation, or not the one a point used",
+    "perfcheck.bundle_missing": "a model or sweep bundle a model check names is not beside it",
+    "perfcheck.bundle_mismatch": "a model or sweep document a model check names has another "
+    "SHA-256 or schema, or another gate or sweep than the check",
+    "perfcheck.median_mismatch": "a model-check arm's median is not the median of its samples",
+    "perfcheck.speedup_mismatch": "a model-check speedup or noise band differs from the verdict's",
+    "perfcheck.verdict_mismatch": "a model-check point's outcome is not the verdict of its samples",
+    "perfcheck.geomean_mismatch": "a model-check geometric mean differs from the recomputed one",
+    "perfcheck.count_mismatch": "a model-check count of points differs from the recomputed one",
+    "perfcheck.calibration_mismatch": "a model-check calibration figure (error, bins) differs",
+    "perfcheck.target_missing": "a model-check target is absent or unknown",
+    "perfcheck.target_threshold_mismatch": "a model-check target's threshold, comparison or "
+    "statement is not mxdb's",
+    "perfcheck.target_measured_mismatch": "a model-check target's measured value is not its figure",
+    "perfcheck.target_verdict_mismatch": "a model-check target's pass flag is not its verdict",
+    "perfcheck.field_mismatch": "another model-check field differs from mxdb's or its recomputation",
+    "perfcheck.report_mismatch": "report/check.md is not the rendering of check.json",
+    "sweep.fingerprint_mismatch": "a performance sweep names another environment than its bundle",
+    "sweep.sample_invalid": "a performance-sweep timing sample is not a finite positive number",
+    "sweep.arms_invalid": "a sweep key's copies are not one baseline and its controls of FlagGems' "
+    "choice, timed, or an arm has not one sample per round (ok) or none (any other status)",
+    "sweep.config_invalid": "a sweep key's config (FlagGems' choice or an arm's) does not parse",
+    "sweep.shape_mismatch": "a sweep key's shape is not its family's at its M (bf16)",
+    "sweep.counts_invalid": "a sweep key's counts are not one per expert summing to tokens x top-k",
+    "sweep.class_mismatch": "a sweep key's routing class is not the class of its counts",
+    "sweep.routing_mismatch": "a sweep key's routing does not regenerate to its counts and trace hash",
+    "sweep.duplicate_key": "a sweep key (family, M, routing source) is recorded twice",
+    "sweep.median_mismatch": "a sweep median differs from the median of its samples",
+    "sweep.speedup_mismatch": "a sweep arm's speedup differs from the verdict's",
+    "sweep.verdict_mismatch": "a sweep arm's outcome is not the verdict of its samples",
+    "sweep.config_hash_mismatch": "a sweep arm's config hash is not its config's",
+    "sweep.noise_band_mismatch": "a sweep key's noise band differs from its copies'",
+    "sweep.best_mismatch": "a sweep key's best candidate is not the recomputed one",
+    "sweep.geomean_mismatch": "a sweep geometric mean differs from the recomputed one",
+    "sweep.count_mismatch": "a sweep count (keys, families, arms, faster) differs",
+    "sweep.field_mismatch": "another sweep field or setting differs from mxdb's",
+    "sweep.report_mismatch": "report/sweep.md is not the rendering of sweep.json",
+    "perfmodel.fingerprint_mismatch": "a performance model names another environment than its bundle",
+    "perfmodel.sweep_missing": "a sweep bundle a performance model was trained on is not beside it",
+    "perfmodel.sweep_mismatch": "a sweep a performance model names has another SHA-256, schema or "
+    "environment, or is named twice",
+    "perfmodel.model_invalid": "a performance model's forest is malformed (tree arrays, children, "
+    "feature indices)",
+    "perfmodel.feature_mismatch": "a performance model's feature names are not mxdb's",
+    "perfmodel.family_mismatch": "a performance model's shape families are not its training keys'",
+    "perfmodel.gate_mismatch": "a performance model's gate is not mxdb's",
+    "perfmodel.model_mismatch": "a performance model's trees differ from training again",
+    "perfmodel.calibration_mismatch": "a performance model's calibration differs from its "
+    "recomputation",
+    "perfmodel.score_mismatch": "a model class's score or the chosen class differs from its "
+    "recomputation",
+    "perfmodel.outcome_mismatch": "a leave-one-family-out outcome differs from its recomputation",
+    "perfmodel.training_mismatch": "another training figure (rows, keys, families) differs",
+    "perfmodel.field_mismatch": "another performance-model field differs from mxdb's",
+    "perfmodel.report_mismatch": "report/model.md is not the rendering of model.json",
 }
 
 

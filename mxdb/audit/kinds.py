@@ -6,7 +6,19 @@ whose document a bundle holds with :func:`mxdb.audit.claims.audit_claim`.
 
 from __future__ import annotations
 
-from mxdb.audit import decode, healing, lean_layer, peers, serving, stages, survey, tuning_cost
+from mxdb.audit import (
+    decode,
+    healing,
+    lean_layer,
+    peers,
+    perfcheck,
+    perfmodel,
+    serving,
+    stages,
+    survey,
+    sweep,
+    tuning_cost,
+)
 from mxdb.audit.claims import ClaimKind
 
 KINDS: tuple[ClaimKind, ...] = (
@@ -14,8 +26,11 @@ KINDS: tuple[ClaimKind, ...] = (
     healing.KIND,
     lean_layer.KIND,
     peers.KIND,
+    perfcheck.KIND,
+    perfmodel.KIND,
     serving.KIND,
     stages.KIND,
     survey.KIND,
+    sweep.KIND,
     tuning_cost.KIND,
 )

@@ -7,7 +7,16 @@ findings, 2 usage).  Machine output goes to stdout.
 
 from __future__ import annotations
 
-from mxdb.cli import audit_cmds, drift_cmds, store_cmds, trace_cmds, tune_cmds
+from mxdb.cli import audit_cmds, drift_cmds, model_cmds, store_cmds, trace_cmds, tune_cmds
 from mxdb.cli.app import cli, main
 
-__all__ = ["audit_cmds", "cli", "drift_cmds", "main", "store_cmds", "trace_cmds", "tune_cmds"]
+__all__ = [
+    "audit_cmds",
+    "cli",
+    "drift_cmds",
+    "main",
+    "model_cmds",
+    "store_cmds",
+    "trace_cmds",
+    "tune_cmds",
+]

@@ -18,7 +18,7 @@ from mxdb.cli.app import (
     model_options,
     shape_options,
 )
-from mxdb.errors import InvalidInputError
+from mxdb.errors import InvalidInputError, UsageError
 from mxdb.models import DECIDED_STATUSES, ROUTING_CLASSES, EntryStatus
 from mxdb.shapes import MoEShape
 
@@ -60,6 +60,16 @@ F = TypeVar("F", bound=Callable[..., Any])
     help="Answer with the GPU-free fingerprint even on a GPU host (never imports torch). "
     "Default on a GPU host: the live fingerprint, as the tuner records it.",
 )
+@click.option(
+    "--perf-model",
+    "perf_model",
+    envvar="MXDB_MODEL",
+    type=click.Path(path_type=Path),
+    metavar="MODEL.json",
+    help="A performance model (the model.json of 'mxdb model train', or its bundle folder) "
+    "that answers shape families the store has not measured here, for bf16 (level "
+    "predicted). Default: $MXDB_MODEL.",
+)
 @db_option
 @json_option
 @handle_errors
@@ -70,6 +80,7 @@ def dispatch_cmd(
     fingerprint_file: Path | None,
     policy: str,
     offline: bool,
+    perf_model: Path | None,
     db: str | None,
     as_json: bool,
 ) -> None:
@@ -78,19 +89,20 @@ def dispatch_cmd(
     A fallback (no confident answer) is a valid answer: the caller then uses
     FlagGems' own choice. Exit 0 for any decision, 2 for bad input.  The shape is
     --experts/--hidden/--intermediate/--topk, or --model config.json [--tp N] [--ep N]
-    (explicit sizes override the model's).
+    (explicit sizes override the model's).  With --perf-model, a shape family the
+    store has not measured in this environment is answered by the performance
+    model where its gate admits the choice (level predicted, no entry).
     """
+    kw: dict[str, Any] = {
+        "routing_trace": routing_trace,
+        "routing_class": routing_class,
+        "fingerprint_file": fingerprint_file,
+        "policy": policy,
+        "offline": offline,
+    }
     from mxdb.service import dispatch_once
 
-    result = dispatch_once(
-        db,
-        shape,
-        routing_trace=routing_trace,
-        routing_class=routing_class,
-        fingerprint_file=fingerprint_file,
-        policy=policy,
-        offline=offline,
-    )
+    result = dispatch_once(db, shape, perf_model=perf_model, **kw)
     if as_json:
         emit_json(result)
         return
@@ -103,9 +115,12 @@ def dispatch_cmd(
         click.echo("config:     none (use FlagGems' own choice)")
     else:
         click.echo(f"config:     {d['config_short']}  [{d['config_hash']}]")
-        click.echo(
-            f"entry:      #{d['entry_id']} (M={d['entry_tokens']}, {d['entry_routing_class']})"
-        )
+        if d["entry_id"] is None:
+            click.echo(f"entry:      none (predicted by the performance model {d['perf_model']})")
+        else:
+            click.echo(
+                f"entry:      #{d['entry_id']} (M={d['entry_tokens']}, {d['entry_routing_class']})"
+            )
 
 
 @cli.group("import")
@@ -301,7 +316,6 @@ def export_cmd(
     1 ... 4096) and measured (verified uniform configs, FlagGems' config where nothing beat
     it, vLLM's own imported rows elsewhere; never half of a split entry).
     """
-    from mxdb.errors import UsageError
     from mxdb.interop.export import ExportOptions, export_store
     from mxdb.store import Store
 

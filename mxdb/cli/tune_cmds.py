@@ -91,6 +91,17 @@ def _require_gpu_packages() -> None:
     "A Hugging Face config.json (or its folder): tune this model's per-shard MoE shape "
     "instead of the workload's models (token counts, routings and search from the workload)."
 )
+@click.option(
+    "--perf-model",
+    "perf_model_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    metavar="MODEL.json",
+    help="A performance model (the model.json of a mxdb.perf-model bundle): each point's "
+    "first rung holds the model's best search.model_keep uniform configs at the point's key "
+    "instead of a random draw (FlagGems' choice and the peer seeds enter too); ranked on "
+    "the CPU, no GPU time.",
+)
 @json_option
 @handle_errors
 def tune_cmd(
@@ -105,6 +116,7 @@ def tune_cmd(
     model_config: Path | None,
     tp: int,
     ep: int,
+    perf_model_path: Path | None,
     as_json: bool,
 ) -> None:
     """Tune the fused-MoE configs of WORKLOAD (a YAML or JSON file; see examples/workloads/).
@@ -133,6 +145,13 @@ def tune_cmd(
             click.echo(moe.describe(), err=True)
     elif tp != 1 or ep != 1:
         raise UsageError("--tp and --ep shard a model given with --model")
+    perf_model = None
+    if perf_model_path is not None:
+        if reconcile:
+            raise UsageError("--reconcile searches nothing: drop --perf-model")
+        from mxdb.costmodel.model import PerfModel
+
+        perf_model = PerfModel.load(perf_model_path)
     devs = _devices(devices)
     if backend == "gpu":
         _require_gpu_packages()
@@ -158,6 +177,7 @@ def tune_cmd(
         devices=devs,
         backend_factory=factory,
         progress=not no_progress,
+        perf_model=perf_model,
     )
     if as_json:
         emit_json(report.to_dict())

@@ -19,7 +19,13 @@ same grid.  Its ``tuning_cost.json`` claims, for each point:
   answer's run being the ``mxdb`` run (winner) or the ``baseline`` run (FlagGems' choice), and
   ``winner_quality_ratio`` is the winner's own ratio whichever is dispatched;
 - each sweep file's ``best`` is the config with the smallest median among its timed rows, and
-  the ``exhaustive_gemm1``/``exhaustive_gemm2`` runs time exactly those configs.
+  the ``exhaustive_gemm1``/``exhaustive_gemm2`` runs time exactly those configs;
+- (schema 1.2) ``perf_model``: the learned performance model that ordered and pruned mxdb's
+  first rung (``benchmarks/bench_tuning.py --model``): the path it was given, the SHA-256 of
+  its ``model.json``, a byte-identical copy in the bundle (``file``), and the shape families it
+  was trained on (as the copy states them); each point's ``held_out_family`` says its family
+  is not among them, and the point meets the target only on a held-out family and at no more
+  than :data:`TARGET_GPU_FRACTION_MODEL` of the exhaustive GPU time.
 
 This module writes the document (:func:`build_tuning_cost`); :mod:`mxdb.audit.tuning_cost`
 declares it as a kind of evidence, and the audit recomputes every figure with the same
@@ -28,19 +34,25 @@ functions.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from mxdb.configs import config_hash
 from mxdb.evidence import stats
+from mxdb.shapes import MoEShape
 
 TUNING_COST_NAME = "tuning_cost.json"
 SCHEMA = "mxdb.tuning-cost"
-SCHEMA_VERSION = "1.1"
-#: Versions this module reads: 1.0 (the mxdb run's ratio), 1.1 (mxdb's answer's ratio).
-SCHEMA_VERSIONS = ("1.0", "1.1")
+SCHEMA_VERSION = "1.2"
+#: Versions this module reads: 1.0 (the mxdb run's ratio), 1.1 (mxdb's answer's ratio), 1.2
+#: (1.1 with the performance model that ordered the search).
+SCHEMA_VERSIONS = ("1.0", "1.1", "1.2")
 TARGET_QUALITY = 1.01
 TARGET_GPU_FRACTION = 0.10
+#: The GPU-time target of a search ordered by a performance model (schema 1.2).
+TARGET_GPU_FRACTION_MODEL = 0.05
+#: Where a 1.2 bundle holds its copy of the model file.
+PERF_MODEL_FILE = "perf_model/model.json"
 EXHAUSTIVE_LABELS = ("exhaustive_gemm1", "exhaustive_gemm2", "exhaustive_combined")
 
 
@@ -64,10 +76,33 @@ def sweep_best(doc: Mapping[str, Any]) -> tuple[str | None, int]:
     return config_hash(best["config"]), len(rows)
 
 
+def model_names(doc: Mapping[str, Any]) -> dict[str, list[str] | None]:
+    """What a performance model's document says of its training families by name: the
+    families it was trained on (``families``, or ``training.families``) and those left out
+    (``excluded``), each sorted, None where the document does not say."""
+
+    def names(v: Any) -> list[str] | None:
+        return sorted(str(f) for f in v) if isinstance(v, list) else None
+
+    training = doc.get("training")
+    trained = doc.get("families")
+    if trained is None and isinstance(training, Mapping):
+        trained = training.get("families")
+    return {"families": names(trained), "excluded": names(doc.get("excluded"))}
+
+
+def point_family(point: Mapping[str, Any]) -> str:
+    """The shape family (``MoEShape.family``) of a point."""
+    return MoEShape.from_dict(point["shape"]).family
+
+
 def recompute_point(
-    point: Mapping[str, Any], runs: Mapping[str, Mapping[str, Any]]
+    point: Mapping[str, Any],
+    runs: Mapping[str, Mapping[str, Any]],
+    model_families: Collection[str] | None = None,
 ) -> dict[str, Any]:
-    """The figures of one point, from its runs' raw samples and its listed call times."""
+    """The figures of one point, from its runs' raw samples and its listed call times;
+    ``model_families``: the shape families of the model that ordered the search (schema 1.2)."""
     ids = point["runs"]
     meds = {label: _med(runs.get(ids.get(label, ""))) for label in EXHAUSTIVE_LABELS}
     timed = {k: v for k, v in meds.items() if v is not None}
@@ -106,8 +141,19 @@ def recompute_point(
         a_med = mx if out["answer"] == "winner" else base
         out["quality_ratio"] = a_med / timed[best] if (best and a_med) else None
     q, f = out["quality_ratio"], out["gpu_time_fraction"]
+    if model_families is None:
+        out["meets_target"] = bool(
+            q is not None and f is not None and q <= TARGET_QUALITY and f <= TARGET_GPU_FRACTION
+        )
+        return out
+    held_out = point_family(point) not in set(model_families)
+    out["held_out_family"] = held_out
     out["meets_target"] = bool(
-        q is not None and f is not None and q <= TARGET_QUALITY and f <= TARGET_GPU_FRACTION
+        held_out
+        and q is not None
+        and f is not None
+        and q <= TARGET_QUALITY
+        and f <= TARGET_GPU_FRACTION_MODEL
     )
     return out
 
@@ -131,11 +177,14 @@ def build_tuning_cost(
     sweeps: Mapping[str, Mapping[str, Any]],
     *,
     definitions: Mapping[str, str],
+    perf_model: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The ``tuning_cost.json`` document for ``points`` (figures computed here)."""
+    """The ``tuning_cost.json`` document for ``points`` (figures computed here);
+    ``perf_model``: the record of the model that ordered the search (schema 1.2)."""
+    families = list(perf_model["shape_families"]) if perf_model is not None else None
     out_points = []
     for p in points:
-        fig = recompute_point(p, runs)
+        fig = recompute_point(p, runs, families)
         n = sum(sweep_best(sweeps[rel])[1] for rel in p["exhaustive"]["sweeps"])
         out_points.append({**p, **fig, "exhaustive_configs_timed": n})
     versioned = any("comparison" in p["mxdb"] for p in points)
@@ -149,18 +198,34 @@ def build_tuning_cost(
         else "median(mxdb run samples) / median(exhaustive best run samples), both from one "
         "final interleaved CUDA-graph timing"
     )
-    return {
+    if perf_model is None:
+        version = "1.1" if versioned else "1.0"
+        target = f"quality_ratio <= {TARGET_QUALITY} and gpu_time_fraction <= {TARGET_GPU_FRACTION}"
+    else:
+        version = SCHEMA_VERSION
+        target = (
+            f"quality_ratio <= {TARGET_QUALITY} and gpu_time_fraction <= "
+            f"{TARGET_GPU_FRACTION_MODEL}, on a point whose shape family the model that ordered "
+            "the search was not trained on (held_out_family)"
+        )
+    doc: dict[str, Any] = {
         "schema": SCHEMA,
-        "schema_version": SCHEMA_VERSION if versioned else "1.0",
-        "definitions": {
-            **definitions,
-            "quality_ratio": quality_def,
-            "target": f"quality_ratio <= {TARGET_QUALITY} and gpu_time_fraction <= "
-            f"{TARGET_GPU_FRACTION}",
-        },
-        "points": out_points,
-        "summary": summarise(out_points),
+        "schema_version": version,
+        "definitions": {**definitions, "quality_ratio": quality_def, "target": target},
     }
+    if perf_model is not None:
+        doc["perf_model"] = dict(perf_model)
+        doc["definitions"]["perf_model"] = (
+            "the performance model that ordered and pruned mxdb's first rung: path = the file "
+            "the run was given, sha256 = SHA-256 of that model.json, file = its byte-identical "
+            "copy in this bundle, shape_families = the shape families (E-H-I-k) it was trained "
+            "on, families and excluded = the model families it names as trained on and as left "
+            "out, all as the copy states them; held_out_family = the point's shape family is "
+            "not among shape_families"
+        )
+    doc["points"] = out_points
+    doc["summary"] = summarise(out_points)
+    return doc
 
 
 def summarise(points: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

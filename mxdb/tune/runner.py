@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mxdb import pointverdict, verdict
 from mxdb.configs import KernelConfig
@@ -46,6 +46,9 @@ from mxdb.tune.traces import (
 )
 from mxdb.tune.verify import point_entry, single_record
 from mxdb.tune.workload import Point, SearchOptions, Workload
+
+if TYPE_CHECKING:
+    from mxdb.costmodel.model import PerfModel
 
 BackendFactory = Callable[[], Backend]
 #: Seconds a claim lasts without renewal; a heartbeat renews it every third of that.
@@ -164,8 +167,12 @@ def tune(
     progress: bool = True,
     lease_s: float = LEASE_S,
     bundle: bool = True,
+    perf_model: PerfModel | None = None,
 ) -> TuneReport:
-    """Tune every point of ``workload``; see the module docstring."""
+    """Tune every point of ``workload``; see the module docstring.
+
+    ``perf_model``: a learned performance model that orders and prunes the first rung of every
+    point's search (``mxdb.tune.search``; ``SearchOptions.model_keep``)."""
     t0 = time.monotonic()
     factory = backend_factory or gpu_backend_factory
     budget = budget_minutes if budget_minutes is not None else workload.search.budget_minutes
@@ -180,7 +187,7 @@ def tune(
     try:
         return _tune(
             workload, local_backend, factory, store_url, out_dir, deadline, devices, lease_s,
-            progress, bundle, t0,
+            progress, bundle, t0, perf_model,
         )  # fmt: skip
     finally:
         # shut its compile pool down in order: a pool left to the interpreter's exit is
@@ -207,6 +214,7 @@ def _tune(
     progress: bool,
     bundle: bool,
     t0: float,
+    perf_model: PerfModel | None = None,
 ) -> TuneReport:
     fp = local_backend.fingerprint()
     job = job_name(workload, fp)
@@ -236,8 +244,9 @@ def _tune(
     if devices:
         close_backend(local_backend)
         measured = _run_processes(
-            job, url, workload.search, fp.hash, factory, devices, deadline, lease_s, progress, total
-        )
+            job, url, workload.search, fp.hash, factory, devices, deadline, lease_s, progress,
+            total, perf_model,
+        )  # fmt: skip
         workers = len(devices)
     else:
         with Store.open(url) as store:
@@ -251,6 +260,7 @@ def _tune(
                 deadline,
                 lease_s,
                 on_done=bar.advance,
+                model=perf_model,
             )
             bar.close()
         workers = 1
@@ -317,8 +327,10 @@ def work(
     *,
     worker: str | None = None,
     on_done: Callable[[], None] | None = None,
+    model: PerfModel | None = None,
 ) -> int:
-    """Claim and measure points of ``job`` until none is left or the deadline passes."""
+    """Claim and measure points of ``job`` until none is left or the deadline passes
+    (``model``: the performance model every point's search is ordered by, if any)."""
     own = backend.fingerprint().hash
     if own != fingerprint_hash:
         raise MxdbError(
@@ -343,8 +355,9 @@ def work(
         beat.start()
         try:
             ms, entries, rejections = measure_point(
-                job, claim, backend, options, fingerprint_hash, deadline, store, space_cache
-            )
+                job, claim, backend, options, fingerprint_hash, deadline, store, space_cache,
+                model=model,
+            )  # fmt: skip
         finally:
             stop.set()
             beat.join()
@@ -388,6 +401,8 @@ def measure_point(
     deadline: float | None,
     store: Store,
     space_cache: dict[tuple[int, ...], SearchSpace] | None = None,
+    *,
+    model: PerfModel | None = None,
 ) -> tuple[list[Measurement], list[Entry], list[tuple[int, str]]]:
     """Search one claimed point; returns what to write with its completion.
 
@@ -440,7 +455,13 @@ def measure_point(
         budget_s = left * min(workers, max(1, pending)) / max(1, pending)
     clock = getattr(backend, "clock", None) if budget_s is None else None
     result: SearchResult = search(
-        backend, pin, options, space=space, budget_s=budget_s, clock=clock or time.monotonic
+        backend,
+        pin,
+        options,
+        space=space,
+        budget_s=budget_s,
+        clock=clock or time.monotonic,
+        model=model,
     )
     arms = [pointverdict.arm_from_measurement(m) for m in result.measurements if m.comparison]
     decision = pointverdict.decide(arms, heldout_min=options.heldout, rule=pointverdict.RULE)
@@ -585,6 +606,7 @@ def _child(
     deadline: float | None,
     lease_s: float,
     workers: int = 1,
+    model: PerfModel | None = None,
 ) -> None:
     # before anything imports torch: this process sees exactly one GPU
     os.environ["CUDA_VISIBLE_DEVICES"] = str(device)
@@ -606,6 +628,7 @@ def _child(
                 deadline,
                 lease_s,
                 worker=f"{os.uname().nodename}:gpu{device}:{os.getpid()}",
+                model=model,
             )
     except MxdbError as exc:
         print(f"mxdb: worker on device {device}: {exc}", file=sys.stderr)
@@ -627,12 +650,14 @@ def _run_processes(
     lease_s: float,
     progress: bool,
     total: int,
+    model: PerfModel | None = None,
 ) -> int:
     ctx = mp.get_context("spawn")
+    common = (job, url, options, fingerprint_hash, factory)
     procs = [
         ctx.Process(
             target=_child,
-            args=(job, url, options, fingerprint_hash, factory, d, deadline, lease_s, len(devices)),
+            args=(*common, d, deadline, lease_s, len(devices), model),
             name=f"mxdb-tune-gpu{d}",
         )
         for d in devices

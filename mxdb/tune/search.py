@@ -8,7 +8,12 @@ Ladder, cheapest first:
    generated routing of the point's kind (a different seed than the replayed trace), ``eta``
    = 3 by default: each rung keeps the best third and times it with ``eta`` times the samples.
    Rung 0 always holds the seeds' line neighbourhood (every uniform config one field away from
-   FlagGems' choice or a peer seed), whatever ``max_candidates`` draws.
+   FlagGems' choice or a peer seed), whatever ``max_candidates`` draws.  Given a learned
+   performance model (``mxdb.costmodel``), the search ranks every uniform config the proxy
+   lets through by the model's predicted speedup at the point's key (shape, M, routing class:
+   one batched prediction on the CPU, no GPU) and only the best ``model_keep`` enter rung 0,
+   in place of ``max_candidates``' random draw, beside FlagGems' choice, the peer seeds and
+   their line neighbourhood, which always enter (:func:`model_ranking`).
    Then a joint refinement: per-GEMM screens, then coordinate descent on GEMM1 with GEMM2
    fixed, then GEMM2 with GEMM1 fixed, moving one field to any other grid value (and
    BLOCK_SIZE_M of both GEMMs at once, since the alignment block couples them), with the
@@ -36,7 +41,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -50,6 +55,9 @@ from mxdb.shapes import MoEShape
 from mxdb.tune.backend import Backend
 from mxdb.tune.space import SearchSpace, align_for, slice_menu
 from mxdb.tune.workload import SearchOptions
+
+if TYPE_CHECKING:
+    from mxdb.costmodel.model import PerfModel
 
 #: Configs per backend.time() call in the synthetic rungs (the budget is checked in between).
 BATCH = 96
@@ -111,6 +119,11 @@ class SearchResult:
     #: the replay's parity row (``mxdb.pointverdict.parity_row``): timed on the held-out
     #: instances too, so that a point nothing beats can still answer the peer's row
     parity_peer: KernelConfig | None = None
+    #: with a performance model: the uniform configs it let into rung 0 (best first), each
+    #: with its predicted speedup over FlagGems' choice
+    model_kept: list[tuple[KernelConfig, float]] = field(default_factory=list)
+    #: host seconds the model's ranking took (CPU; no GPU time)
+    model_s: float = 0.0
 
 
 class _Recorder:
@@ -208,8 +221,13 @@ def search(
     budget_s: float | None = None,
     clock: Callable[[], float] | None = None,
     method: str = "graph",
+    model: PerfModel | None = None,
 ) -> SearchResult:
-    """Search one point; see the module docstring for the ladder."""
+    """Search one point; see the module docstring for the ladder.
+
+    ``model``: a learned performance model that orders and prunes rung 0 (the module
+    docstring, :func:`model_ranking`); without one the first rung is drawn as always.
+    """
     clk = clock or getattr(backend, "clock", None) or time.monotonic
     budget = _Budget(budget_s, clk)
     rec = _Recorder(point, method)
@@ -230,13 +248,26 @@ def search(
         if options.seed_lines
         else []
     )
-    pool = _dedup([*space.uniform(), *seeds, baseline])
-    if options.max_candidates is not None and len(pool) > options.max_candidates:
-        rng = np.random.default_rng(point.seed)
-        keep = set(rng.choice(len(pool), size=options.max_candidates, replace=False).tolist())
-        seed_hashes = {c.hash for c in (*seeds, *near)} | {baseline.hash}
-        pool = [c for i, c in enumerate(pool) if i in keep or c.hash in seed_hashes]
-    pool = _dedup([*pool, *near])
+    model_kept: list[tuple[KernelConfig, float]] = []
+    model_s = 0.0
+    if model is not None:
+        # the model's best uniform configs take the random draw's place; FlagGems' choice, the
+        # peer seeds and their line neighbourhood enter whatever the model predicts for them
+        t_model = time.monotonic()
+        ranked = model_ranking(model, space, shape, point.replay.routing_class)
+        model_s = time.monotonic() - t_model
+        model_kept = ranked[: options.model_keep]
+        pool = _dedup([*(c for c, _ in model_kept), *seeds, baseline, *near])
+        stages["model_ranked"] = len(ranked)
+        stages["model_kept"] = len(model_kept)
+    else:
+        pool = _dedup([*space.uniform(), *seeds, baseline])
+        if options.max_candidates is not None and len(pool) > options.max_candidates:
+            rng = np.random.default_rng(point.seed)
+            keep = set(rng.choice(len(pool), size=options.max_candidates, replace=False).tolist())
+            seed_hashes = {c.hash for c in (*seeds, *near)} | {baseline.hash}
+            pool = [c for i, c in enumerate(pool) if i in keep or c.hash in seed_hashes]
+        pool = _dedup([*pool, *near])
     kept, dropped = space.prune(pool)
     for p in dropped:
         rec.add(p.config, fidelity="proxy", status="oor", error=p.reason)
@@ -322,6 +353,8 @@ def search(
         spent_s=0.0,
         stages=stages,
         ranking=ranking,
+        model_kept=model_kept,
+        model_s=model_s,
     )
     peer_hashes = frozenset(c.hash for c in point.peer_rows)
     _replay_and_check(
@@ -331,6 +364,28 @@ def search(
     result.budget_exhausted = budget.exhausted
     result.spent_s = budget.spent()
     return result
+
+
+def model_ranking(
+    model: PerfModel, space: SearchSpace, shape: MoEShape, routing_class: str
+) -> list[tuple[KernelConfig, float]]:
+    """Every uniform config of ``space`` that the resource proxy lets through, ranked by
+    ``model``'s predicted speedup over FlagGems' choice at (``shape``, ``routing_class``),
+    best first (ties in grid order), each with that speedup.
+
+    One batched prediction on the CPU: the feature rows of the whole grid
+    (``mxdb.costmodel.features``) through the model's trees (``mxdb.costmodel.trees``; the
+    ensemble's mean predicted log speedup).
+    """
+    from mxdb.costmodel.features import features
+    from mxdb.costmodel.trees import predict
+
+    fits = [c for c in space.uniform() if space.verdict(c) is None]
+    if not fits:
+        return []
+    logs = predict(model.forest, [features(shape, routing_class, c) for c in fits])
+    order = sorted(range(len(fits)), key=lambda j: (-logs[j], j))
+    return [(fits[j], math.exp(logs[j])) for j in order]
 
 
 def implementations(backend: Backend, options: SearchOptions) -> list[str]:

@@ -1,0 +1,358 @@
+"""The learned performance model (``model.json``) as a kind of evidence: its declaration for the
+claims engine.
+
+Always checked:
+
+- each sweep bundle the model names lies beside this bundle (same parent folder, a real folder
+  and file, no links), its ``sweep.json`` hashes to the recorded SHA-256, is a performance
+  sweep and names the model's environment (``perfmodel.sweep_missing``,
+  ``perfmodel.sweep_mismatch``); nothing else is checked when one does not;
+- the model is a well-formed forest: every tree's arrays of one length, children after their
+  node, features among :data:`~mxdb.costmodel.features.FEATURE_NAMES`
+  (``perfmodel.model_invalid``);
+- ``feature_names`` are mxdb's, ``shape_families`` those of the keys trained on (the sweeps'
+  keys less the excluded families), the gate mxdb's (:class:`~mxdb.costmodel.train.Gate`).
+
+With scikit-learn importable, the model is trained again on the same keys
+(:func:`mxdb.costmodel.train.train` is deterministic: fixed seeds, one thread) and ``model``,
+``calibration`` and ``training`` must equal the new ones exactly, field for field (a bundle
+trained with other library versions than the audit's may differ: the finding names both).
+Without it, what needs no training is recomputed from the sweeps: the rows, keys and families;
+each leave-one-family-out outcome's key, family, measured speedup, verdict and best measured
+speedup (from the recorded choice); the chosen class's score from those outcomes and the
+recorded per-family calibrations (:func:`mxdb.costmodel.train.score`) and the choice of class
+from the scores; the number of outcomes each calibration was fitted on (and the calibration
+itself when its outcomes hold one verdict only).  The forest's trees, the other class's score
+and the calibrations' coefficients are then not checked.
+
+A sweep's own figures are the sweep bundle's audit: audit both.  Retraining takes tens of
+seconds; within one process it is done once per set of sweeps and excluded families.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from mxdb.audit.claims import ClaimKind, Context, Path_, dotted
+from mxdb.audit.compare import same
+from mxdb.audit.findings import FindingSink
+from mxdb.costmodel.features import FEATURE_NAMES
+from mxdb.evidence.perfmodel import (
+    MODEL_FILE,
+    REPORT_FILE,
+    render,
+    sha256_hex,
+    shape_families,
+    split_training,
+    trained_with,
+    training_keys,
+)
+from mxdb.evidence.sweep import SCHEMA as SWEEP_SCHEMA
+from mxdb.evidence.sweep import SWEEP_FILE
+
+#: findings of one field of the retrained comparison before the rest are counted in one
+MAX_DIFFS = 10
+
+#: a sweep.json's schema, fingerprint and keys by the SHA-256 of its bytes (content-addressed:
+#: the preflight reads them after checking the hash, the figures then find them here)
+_KEYS: dict[str, dict[str, Any]] = {}
+#: train()'s result by (the sweeps' SHA-256s, excluded families)
+_TRAINED: dict[tuple[tuple[str, ...], tuple[str, ...]], dict[str, Any]] = {}
+
+
+def has_sklearn() -> bool:
+    """Whether scikit-learn can be imported (the audit then trains again)."""
+    return importlib.util.find_spec("sklearn") is not None
+
+
+def _code(path: Path_) -> str:
+    head = path[:1]
+    if head == ("feature_names",):
+        return "feature_mismatch"
+    if head == ("shape_families",):
+        return "family_mismatch"
+    if head == ("gate",) or path[:2] == ("training", "gate"):
+        return "gate_mismatch"
+    if head == ("model",):
+        return "model_mismatch"
+    if head == ("calibration",) or path[:2] == ("training", "lofo_calibrations"):
+        return "calibration_mismatch"
+    if path[:2] == ("training", "classes") or path[:2] == ("training", "chosen"):
+        return "score_mismatch"
+    if path[:2] == ("training", "outcomes"):
+        return "outcome_mismatch"
+    return "training_mismatch" if head == ("training",) else "field_mismatch"
+
+
+def _bundle_root(sink: FindingSink) -> Path | None:
+    """The folder of the bundle under audit (the bundle auditor's ``root``)."""
+    root = getattr(sink, "root", None)
+    return Path(root) if root is not None else None
+
+
+def _sweeps_ok(sink: FindingSink, rel: str, doc: Mapping[str, Any]) -> bool:
+    from mxdb.fileio import MAX_DOCUMENT_BYTES
+
+    root = _bundle_root(sink)
+    if root is None:
+        sink.add("perfmodel.sweep_missing", rel, "sweeps", "the bundle's folder",
+                 "unknown", "the audit does not know where this bundle lies")  # fmt: skip
+        return False
+    home = root.resolve().parent
+    while len(_KEYS) >= 8:  # a bound on what stays parsed between audits: the oldest goes
+        _KEYS.pop(next(iter(_KEYS)))
+    ok = True
+    names = [str(s["bundle"]) for s in doc["sweeps"]]
+    for i, ref in enumerate(doc["sweeps"]):
+        where = f"sweeps[{i}]"
+        name = str(ref["bundle"])
+        folder = home / name
+        f = folder / SWEEP_FILE
+        if names.index(name) != i:
+            sink.add("perfmodel.sweep_mismatch", rel, f"{where}.bundle", "each sweep once",
+                     name, "a sweep bundle is named twice")  # fmt: skip
+            ok = False
+            continue
+        if "/" in name or name in (".", "..") or folder.is_symlink() or f.is_symlink():
+            sink.add("perfmodel.sweep_missing", rel, f"{where}.bundle",
+                     "a sweep bundle folder beside this bundle", name,
+                     "not a plain folder name, or a symbolic link (never followed)")  # fmt: skip
+            ok = False
+            continue
+        if not f.is_file():
+            sink.add("perfmodel.sweep_missing", rel, f"{where}.bundle",
+                     f"{name}/{SWEEP_FILE} beside this bundle", "no such file",
+                     f"the sweep bundle the model was trained on is not in {home}")  # fmt: skip
+            ok = False
+            continue
+        try:
+            if f.stat().st_size > MAX_DOCUMENT_BYTES:
+                raise OSError(f"larger than {MAX_DOCUMENT_BYTES:,} bytes")
+            data = f.read_bytes()
+        except OSError as exc:
+            sink.add("perfmodel.sweep_missing", rel, f"{where}.bundle", "a readable sweep.json",
+                     str(exc)[:160], "the sweep cannot be read")  # fmt: skip
+            ok = False
+            continue
+        h = sha256_hex(data)
+        if h != ref["sha256"]:
+            sink.add("perfmodel.sweep_mismatch", rel, f"{where}.sha256", h, ref["sha256"],
+                     f"{name}/{SWEEP_FILE} is not the sweep the model was trained on")  # fmt: skip
+            ok = False
+            continue
+        sweep = _parsed(h, data, f"{name}/{SWEEP_FILE}")
+        if sweep.get("schema") != SWEEP_SCHEMA:
+            sink.add("perfmodel.sweep_mismatch", rel, f"{where}.bundle", SWEEP_SCHEMA,
+                     str(sweep.get("schema"))[:80],
+                     f"{name}/{SWEEP_FILE} is not a performance sweep")  # fmt: skip
+            ok = False
+        elif sweep.get("fingerprint_hash") != doc["fingerprint_hash"]:
+            sink.add("perfmodel.sweep_mismatch", rel, f"{where}.bundle",
+                     doc["fingerprint_hash"], sweep.get("fingerprint_hash"),
+                     f"{name} was measured in another environment than the model names")  # fmt: skip
+            ok = False
+    return ok
+
+
+def _parsed(h: str, data: bytes, what: str) -> Mapping[str, Any]:
+    """A sweep's schema, fingerprint and keys, parsed once per content (``h``: its SHA-256)."""
+    from mxdb.fileio import parse_json
+
+    if h not in _KEYS:
+        try:
+            sweep = parse_json(data, what=what)
+        except Exception as exc:  # not JSON: the sweep bundle's own audit says more
+            sweep = {"schema": str(exc)}
+        if not isinstance(sweep, dict):
+            sweep = {"schema": type(sweep).__name__}
+        _KEYS[h] = {
+            "schema": sweep.get("schema"),
+            "fingerprint_hash": sweep.get("fingerprint_hash"),
+            "keys": list(sweep.get("keys") or []),
+        }
+    return _KEYS[h]
+
+
+def _model_ok(sink: FindingSink, rel: str, model: Mapping[str, Any]) -> bool:
+    n_features = len(FEATURE_NAMES)
+    if model["n_features"] != n_features:
+        sink.add("perfmodel.model_invalid", rel, "model.n_features", n_features,
+                 model["n_features"], "the model takes one input per feature name")  # fmt: skip
+        return False
+    for t, tree in enumerate(model["trees"]):
+        n = len(tree["left"])
+        lens = {len(tree[k]) for k in ("left", "right", "feature", "threshold", "value")}
+        bad = lens != {n} or n == 0
+        for j in range(n if not bad else 0):
+            lo, hi, feat = tree["left"][j], tree["right"][j], tree["feature"][j]
+            leaf = lo == -1
+            if (
+                not (0 <= feat < n_features)
+                or (not leaf and not (j < lo < n and j < hi < n))
+                or (leaf and hi != -1)
+            ):
+                bad = True
+                break
+        if bad:
+            sink.add("perfmodel.model_invalid", rel, f"model.trees[{t}]", "a well-formed tree",
+                     f"{n} nodes", "arrays of different lengths, a child before its node "
+                     "or out of the tree, or a feature out of range")  # fmt: skip
+            return False
+    return True
+
+
+def _diffs(claimed: Any, fresh: Any, path: Path_, out: list[tuple[Path_, Any, Any]]) -> int:
+    """The leaves where ``claimed`` differs from ``fresh`` (exactly: no tolerance), the first
+    :data:`MAX_DIFFS` of them appended to ``out``; returns their number."""
+    if type(claimed) is type(fresh) and claimed == fresh:  # JSON values: no NaN, bools apart
+        return 0
+    if isinstance(claimed, dict) and isinstance(fresh, dict):
+        n = 0
+        for k in sorted(set(claimed) | set(fresh)):
+            if k not in claimed or k not in fresh:
+                n += 1
+                if len(out) < MAX_DIFFS:
+                    out.append(((*path, k), fresh.get(k, "no field"), claimed.get(k, "no field")))
+            else:
+                n += _diffs(claimed[k], fresh[k], (*path, k), out)
+        return n
+    if isinstance(claimed, list) and isinstance(fresh, list) and len(claimed) == len(fresh):
+        pairs = enumerate(zip(claimed, fresh, strict=True))
+        return sum(_diffs(c, f, (*path, i), out) for i, (c, f) in pairs)
+    if same(claimed, fresh, 0.0, 0.0):
+        return 0
+    if len(out) < MAX_DIFFS:
+        out.append((path, _shown(fresh), _shown(claimed)))
+    return 1
+
+
+def _shown(v: Any) -> Any:
+    """A value as a finding shows it (a long list by its length)."""
+    return f"a list of {len(v)}" if isinstance(v, list) and len(v) > 8 else v
+
+
+def _keys_of(doc: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    sweeps = [_KEYS[str(s["sha256"])] for s in doc["sweeps"]]
+    return training_keys(sweeps, doc["excluded"])
+
+
+def _trained(doc: Mapping[str, Any]) -> dict[str, Any]:
+    from mxdb.costmodel.train import train
+
+    tag = (tuple(str(s["sha256"]) for s in doc["sweeps"]), tuple(doc["excluded"]))
+    hit = _TRAINED.pop(tag, None)
+    if hit is None:
+        while len(_TRAINED) >= 4:  # the least recently used goes
+            _TRAINED.pop(next(iter(_TRAINED)))
+        # as written to JSON and read back (tuples as lists)
+        hit = json.loads(json.dumps(split_training(train(_keys_of(doc)))))
+    _TRAINED[tag] = hit
+    return hit
+
+
+def _retrained_ok(sink: FindingSink, rel: str, doc: Mapping[str, Any]) -> None:
+    fresh = _trained(doc)
+    ours = trained_with()
+    theirs = doc.get("trained_with") or {}
+    note = "" if theirs == ours else (
+        f" (trained with {', '.join(f'{k} {v}' for k, v in sorted(theirs.items()))}; this audit "
+        f"has {', '.join(f'{k} {v}' for k, v in sorted(ours.items()))})"
+    )  # fmt: skip
+    for field in ("model", "calibration", "training"):
+        out: list[tuple[Path_, Any, Any]] = []
+        n = _diffs(doc[field], fresh[field], (field,), out)
+        for path, want, got in out:
+            sink.add(f"perfmodel.{_code(path)}", rel, dotted(path), want, got,
+                     "differs from the model trained again on the same sweeps" + note)  # fmt: skip
+        if n > len(out):
+            sink.add(f"perfmodel.{_code((field,))}", rel, field,
+                     f"the {field} trained again", f"{n - len(out)} more differences",
+                     f"{n} leaves of {field} differ from training again" + note)  # fmt: skip
+
+
+def _preflight(sink: FindingSink, rel: str, doc: Mapping[str, Any], _: Context) -> bool:
+    if not _sweeps_ok(sink, rel, doc):
+        return False
+    ok = _model_ok(sink, rel, doc["model"])
+    if ok and has_sklearn():
+        _retrained_ok(sink, rel, doc)
+    return True
+
+
+def _without_training(doc: Mapping[str, Any]) -> dict[str, Any]:
+    """``calibration`` and ``training`` with every leaf that needs no scikit-learn recomputed
+    from the sweeps (the others as claimed: module docstring)."""
+    from mxdb.costmodel.train import Gate, Outcome, calibration_points, key_data, score
+
+    t = copy.deepcopy(dict(doc["training"]))
+    cal = copy.deepcopy(dict(doc["calibration"]))
+    kd, rows = key_data(_keys_of(doc))
+    fams = sorted({k.family for k in kd})
+    t.update(rows=len(rows), keys=len(kd), families=fams, gate=dict(Gate().__dict__))
+    order = [k for f in fams for k in kd if k.family == f]  # lofo's order: family, then key
+    claimed = list(t["outcomes"])
+    if len(claimed) != len(order):
+        t["outcomes"] = [f"{len(order)} outcomes, one per key"]
+        return {"calibration": cal, "training": t}
+    outs: list[Outcome] = []
+    for o, k in zip(claimed, order, strict=True):
+        best = max([s for s, _ in k.outcomes.values()], default=1.0)
+        h = o["config_hash"]
+        if h is None:
+            s, v = 1.0, "fallback"
+        else:
+            s, v = k.outcomes.get(h, (1.0, "untimed"))
+        outs.append(Outcome(k.index, k.family, h, float(o["predicted"]),
+                            float(o["agreement"]), s, v, best))  # fmt: skip
+    t["outcomes"] = [o.__dict__ for o in outs]
+    recorded = dict(t["lofo_calibrations"])
+    if set(recorded) == set(fams):
+        t["classes"][t["chosen"]] = score(outs, recorded, Gate(**doc["training"]["gate"]))
+    t["chosen"] = max(t["classes"], key=lambda n: (t["classes"][n]["dispatch"],
+                                                   -t["classes"][n]["slower"], n))  # fmt: skip
+    t["lofo_calibrations"] = {
+        f: _fit_free(calibration_points(o for o in outs if o.family != f),
+                     recorded.get(f, {"a": None, "b": None}))
+        for f in fams
+    }  # fmt: skip
+    cal = _fit_free(calibration_points(outs), cal)
+    return {"calibration": cal, "training": t}
+
+
+def _fit_free(points: Sequence[tuple[float, bool]], claimed: Mapping[str, Any]) -> dict[str, Any]:
+    """A calibration's outcome count, and the whole calibration where fitting it needs no
+    scikit-learn (no outcomes, or one verdict only)."""
+    from mxdb.costmodel import calibration
+
+    if len({w for _, w in points}) < 2:
+        return calibration.fit(points)
+    return {**claimed, "n": len(points)}
+
+
+def _figures(doc: Mapping[str, Any], _: Context) -> Mapping[str, Any]:
+    from mxdb.costmodel.train import Gate
+
+    out: dict[str, Any] = {
+        "feature_names": list(FEATURE_NAMES),
+        "shape_families": shape_families(_keys_of(doc)),
+        "gate": dict(Gate().__dict__),
+    }
+    if not has_sklearn():
+        out.update(_without_training(doc))
+    return out
+
+
+KIND = ClaimKind(
+    name="perfmodel",
+    document=MODEL_FILE,
+    schema="mxdb.perf-model",
+    codes=_code,
+    figures=_figures,
+    preflight=_preflight,
+    report=(REPORT_FILE, render),
+)

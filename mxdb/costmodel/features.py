@@ -1,0 +1,129 @@
+"""The feature vector of one (key, config) pair, as the model sees it.
+
+A key is what the dispatcher knows of a call: the shape (E, H, I, k), the token count and the
+routing class.  A config contributes its implementation and tiles, and quantities the tiles
+imply at that key (how many programs the GEMMs launch per SM, how much of each expert's block
+of tokens is padding under uniform load).  FlagGems' own choice at the key (a function of the
+shape, restated on the CPU by ``mxdb.resources.flaggems_default_config``) is described too,
+since the model predicts time relative to it.  Everything is computed on the CPU, from the key
+alone.
+"""
+
+from __future__ import annotations
+
+import math
+
+from mxdb.configs import IMPLS, KernelConfig
+from mxdb.models import ROUTING_CLASSES
+from mxdb.shapes import MoEShape
+
+#: One name per entry of :func:`features`' vector, in order.
+FEATURE_NAMES: tuple[str, ...] = (
+    "log2_experts",
+    "log2_hidden",
+    "log2_intermediate",
+    "topk",
+    "log2_tokens",
+    "log2_slots_per_expert",
+    "log2_active_experts",
+    *(f"class_{c}" for c in ROUTING_CLASSES),
+    *(f"impl_{i}" for i in IMPLS),
+    "log2_block_m",
+    "log2_block_n1",
+    "log2_block_k1",
+    "log2_block_n2",
+    "log2_block_k2",
+    "log2_group_m",
+    "num_warps",
+    "num_stages",
+    "log2_align",
+    "pad_fraction",
+    "log2_waves_gemm1",
+    "log2_waves_gemm2",
+    "log2_base_block_m",
+    "log2_base_block_n",
+    "log2_base_block_k",
+    "base_num_warps",
+    "base_num_stages",
+    "d_block_m",
+    "d_block_n",
+    "d_block_k",
+    "d_num_warps",
+    "d_num_stages",
+    "log2_expert_weights",
+)
+
+#: The streaming multiprocessors the wave counts divide by (an H200's; the features are
+#: relative, so another device with a model of its own keeps the same scale).
+SMS = 132
+
+
+def _l2(x: float) -> float:
+    return math.log2(max(x, 1e-9))
+
+
+def active_experts(shape: MoEShape) -> float:
+    """Experts a uniform routing of the key touches, in expectation."""
+    e, m, k = shape.experts, shape.tokens, shape.topk
+    return float(e * (1.0 - (1.0 - k / e) ** m))
+
+
+def features(shape: MoEShape, routing_class: str, config: KernelConfig) -> list[float]:
+    """The vector :data:`FEATURE_NAMES` names, for ``config`` at this key."""
+    from mxdb.resources import flaggems_default_config
+
+    e, h, i, k, m = shape.experts, shape.hidden, shape.intermediate, shape.topk, shape.tokens
+    slots = m * k
+    act = active_experts(shape)
+    per_expert = slots / max(act, 1e-9)
+    g1, g2 = config.gemm1, config.gemm2
+    align = config.align_block
+    padded = math.ceil(per_expert / align) * align
+    pad = (padded - per_expert) / padded
+    blocks = act * padded / g1.block_m
+    if config.impl == "fused_slice":
+        # one program per tile of slots and slice of the intermediate dimension
+        waves1 = blocks * math.ceil(i / g1.block_n) / SMS
+        waves2 = waves1
+    else:
+        waves1 = blocks * math.ceil(2 * i / g1.block_n) / SMS
+        waves2 = blocks * math.ceil(h / g2.block_n) / SMS
+    base = flaggems_default_config(shape)
+    # differences from FlagGems' choice: the model predicts time relative to it
+    diffs = [
+        _l2(g1.block_m) - _l2(base.block_m),
+        _l2(g1.block_n) - _l2(base.block_n),
+        _l2(g1.block_k) - _l2(base.block_k),
+        float(g1.num_warps - base.num_warps),
+        float(g1.num_stages - base.num_stages),
+        _l2(h * i),
+    ]
+    return [
+        _l2(e),
+        _l2(h),
+        _l2(i),
+        float(k),
+        _l2(m),
+        _l2(per_expert),
+        _l2(act),
+        *(1.0 if routing_class == c else 0.0 for c in ROUTING_CLASSES),
+        *(1.0 if config.impl == x else 0.0 for x in IMPLS),
+        _l2(g1.block_m),
+        _l2(g1.block_n),
+        _l2(g1.block_k),
+        _l2(g2.block_n),
+        _l2(g2.block_k),
+        _l2(g1.group_m),
+        float(g1.num_warps),
+        float(g1.num_stages),
+        _l2(align),
+        pad,
+        _l2(waves1),
+        _l2(waves2),
+        _l2(base.block_m),
+        _l2(base.block_n),
+        _l2(base.block_k),
+        float(base.num_warps),
+        float(base.num_stages),
+        *diffs,
+    ]

@@ -1,0 +1,163 @@
+"""The learned performance model's core: menu, features, plain-data trees, calibration, training."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from mxdb.configs import FUSED_SLICE_MAX_SLOTS, KernelConfig
+from mxdb.costmodel import calibration, trees
+from mxdb.costmodel.features import FEATURE_NAMES, features
+from mxdb.costmodel.menu import extras, menu
+from mxdb.costmodel.train import Choice, Gate, choose, key_data, train
+from mxdb.profiles import get_profile
+from mxdb.resources import check, flaggems_default_config
+from mxdb.shapes import preset_shape
+
+sklearn = pytest.importorskip("sklearn")
+
+
+def test_menu_is_fixed_by_the_shape_and_has_no_duplicates() -> None:
+    for tokens in (1, 64, 4096):
+        shape = preset_shape("qwen3-30b-a3b", tokens)
+        m = menu(shape)
+        assert len({c.hash for c in m}) == len(m)
+        assert [c.hash for c in m] == [c.hash for c in menu(shape)]
+        slices = [c for c in m if c.impl == "fused_slice"]
+        assert bool(slices) == (tokens * shape.topk <= FUSED_SLICE_MAX_SLOTS)
+        assert {c.impl for c in m} >= {"flaggems", "fused_act"}
+
+
+def test_extras_are_drawn_per_family_off_the_menu_and_fit() -> None:
+    prof = get_profile("h200")
+    a = preset_shape("mixtral-8x7b", 16)
+    e1, e2 = extras(a, profile=prof), extras(a.with_tokens(1024), profile=prof)
+    assert [c.hash for c in e1] == [c.hash for c in e2]  # per family, not per token count
+    assert not {c.hash for c in e1} & {c.hash for c in menu(a)}
+    assert all(check(c, a, prof).fits for c in e1)
+    other = extras(preset_shape("olmoe-1b-7b", 16), profile=prof)
+    assert [c.hash for c in other] != [c.hash for c in e1]
+
+
+def test_features_name_every_entry_and_are_finite() -> None:
+    shape = preset_shape("deepseek-v3", 256)
+    for c in menu(shape):
+        v = features(shape, "skewed", c)
+        assert len(v) == len(FEATURE_NAMES)
+        assert all(math.isfinite(x) for x in v)
+    base = KernelConfig.uniform(flaggems_default_config(shape))
+    v = dict(zip(FEATURE_NAMES, features(shape, "hot", base), strict=True))
+    assert v["class_hot"] == 1.0 and v["class_uniform"] == 0.0
+    assert v["d_block_m"] == v["d_block_n"] == v["d_num_warps"] == 0.0
+
+
+def _xy(n: int = 300, d: int = 5) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, d))
+    y = np.sin(x[:, 0]) + 0.3 * x[:, 1] ** 2 - 0.2 * x[:, 2] + 0.05 * rng.normal(size=n)
+    return x, y
+
+
+@pytest.mark.parametrize("kind", ["gbt", "forest", "linear"])
+def test_plain_data_trees_predict_what_scikit_learn_predicts(kind: str) -> None:
+    from sklearn.ensemble import GradientBoostingRegressor, RandomForestRegressor
+    from sklearn.linear_model import Ridge
+
+    x, y = _xy()
+    est = {
+        "gbt": GradientBoostingRegressor(n_estimators=20, max_depth=3, random_state=0),
+        "forest": RandomForestRegressor(n_estimators=10, min_samples_leaf=3, random_state=0),
+        "linear": Ridge(alpha=1.0),
+    }[kind].fit(x, y)
+    model = trees.from_sklearn(est, kind, x.shape[1])
+    np.testing.assert_allclose(trees.predict(model, x), est.predict(x), rtol=1e-12, atol=1e-12)
+    if kind == "forest":
+        per_tree = trees.members(model, x)
+        assert per_tree.shape == (10, len(x))
+        np.testing.assert_allclose(per_tree.mean(axis=0), est.predict(x), rtol=1e-12)
+
+
+def test_a_model_rejects_rows_of_the_wrong_width() -> None:
+    from mxdb.errors import UsageError
+
+    model = {"kind": "linear", "n_features": 3, "coef": [1.0, 2.0, 3.0], "intercept": 0.0}
+    assert trees.predict(model, [[1.0, 1.0, 1.0]]) == [6.0]
+    with pytest.raises(UsageError, match="rows of 3 features"):
+        trees.predict(model, [[1.0, 1.0]])
+
+
+def test_calibration_is_monotone_and_its_error_is_the_binned_gap() -> None:
+    pts = [(a / 20, a >= 12) for a in range(21)] * 3
+    cal = calibration.fit(pts)
+    confs = [calibration.confidence(cal, a / 10) for a in range(11)]
+    assert confs == sorted(confs) and 0.0 <= confs[0] < 0.5 < confs[-1] <= 1.0
+    # two bins: stated 0.15 with 1 win in 4; stated 0.95 with 4 wins in 4
+    pairs = [(0.15, True), (0.15, False), (0.15, False), (0.15, False)] + [(0.95, True)] * 4
+    assert calibration.calibration_error(pairs) == pytest.approx((4 * 0.1 + 4 * 0.05) / 8)
+    assert calibration.calibration_error([]) is None
+    assert calibration.fit([(0.5, True), (0.7, True)])["b"] > 0  # one outcome: a constant
+
+
+def _sweep_keys() -> list[dict[str, object]]:
+    """Sweep keys in the raw format of benchmarks/perf_sweep.py, with a made-up but consistent
+    cost: ``fused_act`` 8% and block_m 16 3% faster than FlagGems' choice at small batches."""
+    rng = np.random.default_rng(1)
+    keys: list[dict[str, object]] = []
+    for fam in ("qwen3-30b-a3b", "olmoe-1b-7b", "deepseek-v2-lite", "mixtral-8x7b"):
+        for tokens in (1, 16, 256):
+            shape = preset_shape(fam, tokens)
+            base = KernelConfig.uniform(flaggems_default_config(shape))
+            arms = []
+            for j, c in enumerate([base, base, base, *menu(shape)[:10], *menu(shape)[13:16]]):
+                gain = 1.0
+                if j >= 3:
+                    gain = 1.08 if c.impl == "fused_act" else 1.03 if c.gemm1.block_m == 16 else 0.9
+                t = 100.0 / gain
+                arms.append({
+                    "config": c.model_dump(), "status": "ok", "error": None,
+                    "role": "baseline" if j == 0 else "control" if j < 3 else "candidate",
+                    "samples": [t * (1 + 0.002 * rng.normal()) for _ in range(7)],
+                })  # fmt: skip
+            keys.append({
+                "family": fam, "shape": shape.to_dict(), "tokens": tokens, "source": "uniform",
+                "routing_class": "uniform", "baseline": base.model_dump(), "arms": arms,
+            })  # fmt: skip
+    return keys
+
+
+def test_training_is_deterministic_and_validates_leaving_each_family_out() -> None:
+    keys = _sweep_keys()
+    ks, rows = key_data(keys)
+    assert len(ks) == 12 and len(rows) == sum(len(k["arms"]) - 2 for k in keys)  # type: ignore[arg-type]
+    a, b = train(keys), train(keys)
+    assert a == b
+    assert a["families"] == sorted({str(k["family"]) for k in keys})
+    assert set(a["lofo_calibrations"]) == set(a["families"])
+    assert len(a["outcomes"]) == 12
+    assert set(a["classes"]) == {"forest", "extra_trees"}
+    # the pattern generalizes to the held-out families: their choices are fused_act, 8% faster
+    assert all(o["outcome"] == "faster" for o in a["outcomes"])
+    assert a["classes"][a["chosen"]]["chosen"] == pytest.approx(1.08, rel=0.01)
+    ch = choose(a["model"], preset_shape("qwen2-57b-a14b", 16), "uniform", a["calibration"])
+    assert ch.config is not None and ch.config.impl == "fused_act"
+    assert ch.predicted > 1.0 and 0.0 <= (ch.confidence or 0.0) <= 1.0
+
+
+def test_training_needs_three_families() -> None:
+    from mxdb.errors import UsageError
+
+    keys = [k for k in _sweep_keys() if k["family"] in ("qwen3-30b-a3b", "olmoe-1b-7b")]
+    with pytest.raises(UsageError, match="at least 3 families"):
+        train(keys)
+
+
+def test_the_gate_needs_a_config_confidence_and_gain() -> None:
+    c = menu(preset_shape("olmoe-1b-7b", 4))[0]
+    gate = Gate(min_confidence=0.6, min_speedup=1.03)
+    assert gate.admits(Choice(c, 1.05, 0.9, 0.7))
+    assert not gate.admits(Choice(c, 1.02, 0.9, 0.7))
+    assert not gate.admits(Choice(c, 1.05, 0.9, 0.5))
+    assert not gate.admits(Choice(c, 1.05, 0.9, None))
+    assert not gate.admits(Choice(None, 1.05, 0.9, 0.9))
