@@ -58,24 +58,6 @@ def plan(model_bundle: Path, sweep_bundle: Path, out: Path) -> None:
     atomic_write_text(out, json.dumps({"entries": entries, "shapes": shapes}))
 
 
-def backend_fingerprint() -> dict[str, Any]:
-    """The live fingerprint's components, ``mxdb`` included (the one ``mxdb tune`` records)."""
-    from mxdb.kernels.live import live_fingerprint_components
-
-    from mxdb.version import __version__
-
-    return {**live_fingerprint_components(), "mxdb": __version__}
-
-
-def recorded_fingerprint(raw: dict[str, Any]) -> Any:
-    """The fingerprint of a raw file.  Runs before ``mxdb`` was recorded in it ran this
-    checkout's version, which is filled in."""
-    from mxdb.models import Fingerprint
-    from mxdb.version import __version__
-
-    return Fingerprint(**{"mxdb": __version__, **raw["fingerprint"]})
-
-
 def run(a: argparse.Namespace) -> None:
     import numpy as np
     import torch
@@ -91,9 +73,10 @@ def run(a: argparse.Namespace) -> None:
     t0 = time.monotonic()
     p = json.loads(Path(a.plan).read_text())
     table = {(e["family"], e["tokens"], e["routing_class"]): e for e in p["entries"]}
-    doc: dict[str, Any] = {"fingerprint": backend_fingerprint(), "points": [],
-                           "errors": []}  # fmt: skip
     backend = GpuBackend()
+    doc: dict[str, Any] = {
+        "fingerprint": backend.fingerprint().components(), "points": [], "errors": []
+    }  # fmt: skip
     for fam, sd in p["shapes"].items():
         fam_shape = MoEShape.from_dict(sd)
         wseed = family_seed(fam_shape.family) % 100_000 + 7
@@ -152,10 +135,11 @@ def publish(plan_path: Path, raw_path: Path, model_bundle: Path, sweep_bundle: P
     from mxdb.evidence.perfcheck import CHECK_FILE, REPORT_FILE, CheckDoc, build_check, render
     from mxdb.evidence.writer import publish_bundle
     from mxdb.fileio import load_json
+    from mxdb.fingerprint import recorded_fingerprint
 
     p = json.loads(plan_path.read_text())
     raw = json.loads(raw_path.read_text())
-    fp = recorded_fingerprint(raw)
+    fp = recorded_fingerprint(raw["fingerprint"])
     doc = build_check(
         raw["points"],
         plan=p["entries"],

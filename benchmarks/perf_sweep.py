@@ -57,24 +57,6 @@ def calls_per_sample(tokens: int) -> int:
     return 8 if tokens <= 64 else 4 if tokens <= 256 else 2
 
 
-def backend_fingerprint() -> dict[str, Any]:
-    """The live fingerprint's components, ``mxdb`` included (the one ``mxdb tune`` records)."""
-    from mxdb.kernels.live import live_fingerprint_components
-
-    from mxdb.version import __version__
-
-    return {**live_fingerprint_components(), "mxdb": __version__}
-
-
-def recorded_fingerprint(raw: dict[str, Any]) -> Any:
-    """The fingerprint of a raw file.  Runs before ``mxdb`` was recorded in it ran this
-    checkout's version, which is filled in."""
-    from mxdb.models import Fingerprint
-    from mxdb.version import __version__
-
-    return Fingerprint(**{"mxdb": __version__, **raw["fingerprint"]})
-
-
 def run(a: argparse.Namespace) -> None:
     import numpy as np
     import torch
@@ -88,11 +70,13 @@ def run(a: argparse.Namespace) -> None:
     from mxdb.tune.traces import classify
 
     t0 = time.monotonic()
-    doc: dict[str, Any] = {"fingerprint": backend_fingerprint(), "keys": [], "errors": []}
+    backend = GpuBackend()
+    doc: dict[str, Any] = {
+        "fingerprint": backend.fingerprint().components(), "keys": [], "errors": []
+    }  # fmt: skip
     if a.resume:
         doc = json.loads(Path(a.resume).read_text())
     done = {(k["family"], k["tokens"], k["source"]) for k in doc["keys"]}
-    backend = GpuBackend()
     profile = backend.profile()
     families = a.families.split(",") if a.families else list(FAMILIES)
     tokens = [int(x) for x in a.tokens.split(",")] if a.tokens else list(TOKENS)
@@ -181,12 +165,13 @@ def publish(raws: list[Path], bundle: Path) -> Path:
     """Write the sweep bundle from one or more raw JSON files of one host."""
     from mxdb.evidence.sweep import REPORT_FILE, SWEEP_FILE, SweepDoc, build_sweep, render
     from mxdb.evidence.writer import publish_bundle
+    from mxdb.fingerprint import recorded_fingerprint
 
     docs = [json.loads(p.read_text()) for p in raws]
-    fps = {recorded_fingerprint(d).hash for d in docs}
+    fps = {recorded_fingerprint(d["fingerprint"]).hash for d in docs}
     if len(fps) != 1:
         raise SystemExit(f"the raw files come from {len(fps)} fingerprints: {sorted(fps)}")
-    fp = recorded_fingerprint(docs[0])
+    fp = recorded_fingerprint(docs[0]["fingerprint"])
     keys = [k for d in docs for k in d["keys"]]
     errors = [e for d in docs for e in d.get("errors", [])]
     doc = build_sweep(keys, milestone=bundle.name, fingerprint_hash=fp.hash, errors=errors)

@@ -319,6 +319,15 @@ def parse_fingerprint(data: Any, *, source: str = "fingerprint") -> Fingerprint:
     return fp
 
 
+def recorded_fingerprint(components: Mapping[str, Any]) -> Fingerprint:
+    """The fingerprint of a benchmark's raw file from its recorded components.  Raw files
+    written before benchmarks recorded ``mxdb`` (the first perf-sweep and perf-check runs)
+    ran this checkout's version, which is filled in."""
+    from mxdb.version import __version__
+
+    return Fingerprint(**{"mxdb": __version__, **components})
+
+
 def load_fingerprint(path: str | os.PathLike[str]) -> Fingerprint:
     """Read a fingerprint JSON file (the output of ``mxdb fingerprint --json``)."""
     from mxdb.fileio import MAX_SMALL_BYTES, parse_json, read_bytes

@@ -65,10 +65,6 @@ def _gemm(t: tuple[int, int, int, int, int, int]) -> GemmConfig:
     )  # fmt: skip
 
 
-def _cap(v: int, dim: int) -> int:
-    return min(v, max(16, 1 << (dim - 1).bit_length()))
-
-
 def menu(shape: MoEShape) -> list[KernelConfig]:
     """The candidate configs at ``shape``, in a fixed order (no duplicates)."""
     out: dict[str, KernelConfig] = {}
@@ -81,12 +77,9 @@ def menu(shape: MoEShape) -> list[KernelConfig]:
         c = KernelConfig(gemm1=half, gemm2=g, align_block=g.block_m, impl="fused_act")
         out.setdefault(c.hash, c)
     if shape.tokens * shape.topk <= FUSED_SLICE_MAX_SLOTS:
-        h, i = shape.hidden, shape.intermediate
-        for bi, bk, bh, w, st in SLICE_TILES:
-            c = KernelConfig.fused_slice(
-                block_m=16, block_i=_cap(bi, i), block_k=_cap(bk, h), block_h=_cap(bh, h),
-                num_warps=w, num_stages=st,
-            )  # fmt: skip
+        from mxdb.tune.space import slice_configs
+
+        for c in slice_configs(shape, SLICE_TILES):
             out.setdefault(c.hash, c)
     return list(out.values())
 

@@ -79,19 +79,27 @@ SLICE_TILES: tuple[tuple[int, int, int, int, int], ...] = tuple(
 
 
 def slice_menu(shape: MoEShape) -> list[KernelConfig]:
-    """The ``fused_slice`` configs the search times at ``shape`` (tiles no larger than the
-    dimensions they cover, rounded up to a power of two)."""
+    """The ``fused_slice`` configs the search times at ``shape`` (none past its batch limit)."""
     from mxdb.configs import FUSED_SLICE_MAX_SLOTS
 
     if shape.tokens * shape.topk > FUSED_SLICE_MAX_SLOTS:
         return []
+    return slice_configs(shape, SLICE_TILES)
+
+
+def slice_configs(
+    shape: MoEShape, tiles: Iterable[tuple[int, int, int, int, int]]
+) -> list[KernelConfig]:
+    """``fused_slice`` configs of ``tiles`` (slice width, hidden step, output chunk, warps,
+    stages; block_m 16) at ``shape``: tiles no larger than the dimensions they cover, rounded
+    up to a power of two, without duplicates."""
 
     def cap(v: int, dim: int) -> int:
         return min(v, max(16, 1 << (dim - 1).bit_length()))
 
     h, i = shape.hidden, shape.intermediate
     out: dict[str, KernelConfig] = {}
-    for bi, bk, bh, w, st in SLICE_TILES:
+    for bi, bk, bh, w, st in tiles:
         c = KernelConfig.fused_slice(
             block_m=16, block_i=cap(bi, i), block_k=cap(bk, h), block_h=cap(bh, h),
             num_warps=w, num_stages=st,
