@@ -2,6 +2,7 @@
 
 Usage (anywhere):  python benchmarks/perf_check.py plan MODEL_BUNDLE SWEEP_BUNDLE PLAN.json
 Usage (GPU host):  python benchmarks/perf_check.py run PLAN.json OUT.json [--deadline-s S]
+                   [--seed-tag TAG]
 Usage (anywhere):  python benchmarks/perf_check.py publish PLAN.json OUT.json MODEL_BUNDLE
                    SWEEP_BUNDLE evidence/h200-perf-check
 
@@ -10,7 +11,9 @@ Usage (anywhere):  python benchmarks/perf_check.py publish PLAN.json OUT.json MO
 routing class, with the confidence of the calibration fitted on the other families and whether
 the gate answers it.  ``run`` times, at each family, token count and routing source (uniform,
 Zipf(1.2), a hot expert), three routing instances from a generator neither the sweep nor the
-tuner uses (``mxdb.routing_gen`` kind ``logits``, seeds of their own): each instance takes the
+tuner uses (``mxdb.routing_gen`` kind ``logits``, seeds of their own; ``--seed-tag`` draws
+another set, so that a check of a model chosen after an earlier check times routing that check
+never saw): each instance takes the
 plan's choice for the class it falls in, timed against FlagGems' own choice three times
 (baseline and two controls), 8 rounds in a random order per round, CUDA-graph replay, every
 output checked against the float32 reference.  A choice the gate does not answer is timed too:
@@ -40,10 +43,10 @@ ROUNDS = 8
 COPIES = 3
 
 
-def instance_seed(family: str, tokens: int, source: str, instance: int) -> int:
+def instance_seed(family: str, tokens: int, source: str, instance: int, tag: str = "") -> int:
     import hashlib
 
-    text = f"perf-check|{family}|{tokens}|{source}|{instance}"
+    text = f"perf-check|{family}|{tokens}|{source}|{instance}" + (f"|{tag}" if tag else "")
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big")
 
 
@@ -92,7 +95,7 @@ def run(a: argparse.Namespace) -> None:
             backend.calls_per_sample = 8 if m <= 64 else 4 if m <= 256 else 2
             for source, params in HELDOUT.items():
                 for i in range(INSTANCES):
-                    seed = instance_seed(fam, m, source, i)
+                    seed = instance_seed(fam, m, source, i, a.seed_tag)
                     ids = generate("logits", m, shape.experts, shape.topk, seed, **params)
                     cls = classify(ids, shape.experts)
                     entry = table[(fam, m, cls)]
@@ -170,6 +173,7 @@ def main() -> None:
     r.add_argument("plan", type=Path)
     r.add_argument("out", type=Path)
     r.add_argument("--deadline-s", type=float, default=520.0)
+    r.add_argument("--seed-tag", default="", help="draw other routing instances (default: none)")
     p = sub.add_parser("publish", help="write the evidence bundle")
     for name in ("plan", "raw", "model_bundle", "sweep_bundle", "bundle"):
         p.add_argument(name, type=Path)

@@ -141,18 +141,17 @@ def load_model(model: str | os.PathLike[str] | PerfModel) -> PerfModel:
 
 def _model_problem(model: PerfModel) -> str | None:
     """What makes ``model`` unusable for answering, or None."""
-    from mxdb.costmodel.features import FEATURE_NAMES
+    from mxdb.costmodel.features import version_of
 
     forest = model.forest
     if not isinstance(forest, Mapping):
         return f"its model is a {type(forest).__name__}, not an object"
     if forest.get("kind") != "forest":
         return f"its model is of kind {forest.get('kind')!r}; answering needs a 'forest'"
-    if forest.get("n_features") != len(FEATURE_NAMES):
-        return (
-            f"its forest takes {forest.get('n_features')!r} features, this version of mxdb "
-            f"computes {len(FEATURE_NAMES)}: train it again with this version (mxdb model train)"
-        )
+    try:
+        version_of(forest.get("n_features"))
+    except UsageError as exc:
+        return str(exc)
     trees = forest.get("trees")
     if not isinstance(trees, list) or not trees:
         return "its forest has no trees"

@@ -11,7 +11,8 @@ from mxdb.configs import FUSED_SLICE_MAX_SLOTS, KernelConfig
 from mxdb.costmodel import calibration, trees
 from mxdb.costmodel.features import FEATURE_NAMES, features
 from mxdb.costmodel.menu import extras, menu
-from mxdb.costmodel.train import Choice, Gate, choose, key_data, train
+from mxdb.costmodel.train import Choice, Gate, Outcome, choose, key_data, train
+from mxdb.errors import UsageError
 from mxdb.profiles import get_profile
 from mxdb.resources import check, flaggems_default_config
 from mxdb.shapes import preset_shape
@@ -161,3 +162,59 @@ def test_the_gate_needs_a_config_confidence_and_gain() -> None:
     assert not gate.admits(Choice(c, 1.05, 0.9, 0.5))
     assert not gate.admits(Choice(c, 1.05, 0.9, None))
     assert not gate.admits(Choice(None, 1.05, 0.9, 0.9))
+
+
+def test_feature_set_2_extends_set_1_and_a_forest_names_its_set_by_its_width() -> None:
+    from mxdb.costmodel.features import FEATURE_SETS, version_of
+
+    assert FEATURE_SETS[2][: len(FEATURE_SETS[1])] == FEATURE_SETS[1]
+    assert len({len(n) for n in FEATURE_SETS.values()}) == len(FEATURE_SETS)
+    shape = preset_shape("qwen2-57b-a14b", 1)
+    for c in menu(shape):
+        v1, v2 = features(shape, "uniform", c, 1), features(shape, "uniform", c, 2)
+        assert len(v1) == len(FEATURE_SETS[1]) and len(v2) == len(FEATURE_SETS[2])
+        assert v2[: len(v1)] == v1 and all(math.isfinite(x) for x in v2)
+    for v, names in FEATURE_SETS.items():
+        assert version_of(len(names)) == v
+    with pytest.raises(UsageError, match=r"matches no feature set.*37 \(version 1\)"):
+        version_of(5)
+
+
+def test_the_base_waves_feature_counts_flaggems_programs() -> None:
+    # FlagGems' choice at Qwen2-57B M=1 (16/64/128): 8 experts x 1 tile x 5120/64 GEMM1
+    # programs and 8 x 3584/64 GEMM2 programs over 132 SMs
+    shape = preset_shape("qwen2-57b-a14b", 1)
+    base = KernelConfig.uniform(flaggems_default_config(shape))
+    assert (base.gemm1.block_m, base.gemm1.block_n) == (16, 64)
+    v = dict(zip(FEATURE_NAMES, features(shape, "uniform", base), strict=True))
+    act = 64 * (1 - (1 - 8 / 64) ** 1)
+    assert v["log2_base_waves_gemm1"] == pytest.approx(math.log2(act * 80 / 132))
+    assert v["log2_base_waves_gemm2"] == pytest.approx(math.log2(act * 56 / 132))
+    assert v["log2_base_waves_min"] == v["log2_base_waves_gemm2"]
+    assert v["d_log2_waves_min"] == pytest.approx(0.0)
+
+
+def _outcome(family: str, predicted: float, outcome: str) -> Outcome:
+    measured = {"faster": 1.1, "slower": 0.9, "same": 1.0}[outcome]
+    return Outcome(0, family, "h", predicted, 1.0, measured, outcome, 1.2)
+
+
+def test_the_gate_is_the_smallest_step_with_no_slower_answer_plus_the_guard() -> None:
+    from mxdb.costmodel.train import GATE_GUARD, GATE_STEPS, select_gate
+
+    sure = {"a": 0.0, "b": 50.0, "n": 1}  # every confidence 1.0
+    outs = [
+        _outcome("f1", 1.12, "faster"),
+        _outcome("f1", 1.045, "slower"),  # answered by 1.03 and 1.04, not by 1.05
+        _outcome("f2", 1.07, "faster"),
+        _outcome("f2", 1.01, "slower"),  # never answered
+    ]
+    gate, steps = select_gate(outs, {"f1": sure, "f2": sure})
+    assert [s["min_speedup"] for s in steps] == list(GATE_STEPS)
+    assert [s["slower"] for s in steps[:3]] == [1, 1, 0]
+    assert [s["answered"] for s in steps[:3]] == [3, 3, 2]
+    assert gate.min_speedup == GATE_STEPS[2 + GATE_GUARD]
+    assert gate.min_confidence == Gate().min_confidence
+    # nothing safe on the grid: the largest step
+    gate, _ = select_gate([_outcome("f1", 2.0, "slower")], {"f1": sure})
+    assert gate.min_speedup == GATE_STEPS[-1]

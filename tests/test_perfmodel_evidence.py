@@ -20,6 +20,7 @@ from test_sweep_evidence import FAMILIES, FP, raw_sweep, synthetic_sweep_bundle
 from mxdb.audit import CHECKS, audit_paths
 from mxdb.costmodel.features import FEATURE_NAMES
 from mxdb.costmodel.model import PerfModel
+from mxdb.costmodel.train import GATE_GUARD
 from mxdb.errors import UsageError
 from mxdb.evidence.perfmodel import MODEL_FILE, REPORT_FILE, write_model_bundle
 from mxdb.shapes import preset_shape
@@ -61,7 +62,15 @@ def test_the_model_bundle_is_what_answering_and_the_check_read(folder: Path) -> 
     assert fp == (folder / SWEEP / "fingerprint.json").read_bytes()
     t = doc["training"]
     assert t["families"] == sorted(FAMILIES) and t["keys"] == len(json.loads(sweep)["keys"])
-    assert t["gate"] == doc["gate"] == {"min_confidence": 0.6, "min_speedup": 1.03}
+    # the gate the chosen class's leave-one-family-out answers chose (feature set 2)
+    assert doc["schema_version"] == "1.1" and t["feature_version"] == 2
+    steps = t["gate_steps"][t["chosen"]]
+    safe = next(j for j, st in enumerate(steps) if st["slower"] == 0)
+    want = steps[min(safe + GATE_GUARD, len(steps) - 1)]["min_speedup"]
+    assert t["gate"] == doc["gate"] == {"min_confidence": 0.6, "min_speedup": want}
+    assert t["classes"][t["chosen"]]["dispatch"] == next(
+        st["dispatch"] for st in steps if st["min_speedup"] == want
+    )
     assert set(t["classes"]) == {"forest", "extra_trees"} and t["chosen"] in t["classes"]
     assert set(t["lofo_calibrations"]) == set(FAMILIES) and len(t["outcomes"]) == t["keys"]
     model = PerfModel.from_doc(doc)
@@ -186,18 +195,36 @@ def test_without_scikit_learn_what_needs_no_training_is_still_checked(
     assert audit_codes(root) == set()
 
 
-def _committed(tmp_path: Path) -> Path:
-    for name in (SWEEP, MODEL):
+def _committed(tmp_path: Path, model: str = MODEL) -> Path:
+    for name in (SWEEP, model):
         shutil.copytree(EVIDENCE / name, tmp_path / name)
-    return tmp_path / MODEL
+    return tmp_path / model
 
 
-def test_the_committed_model_audits_clean_and_its_edits_are_findings(tmp_path: Path) -> None:
-    root = _committed(tmp_path)
+def test_a_last_bit_difference_of_a_number_is_no_finding(folder: Path, tmp_path: Path) -> None:
+    # the calibration's solver runs on the machine's BLAS: last bits differ between processors
+    root = _copy(folder, tmp_path)
+    cal = json.loads((root / MODEL_FILE).read_text())["calibration"]
+    k = "a" if cal["a"] else "b"
+    edit_claim(root, MODEL_FILE, lambda d: d["calibration"].__setitem__(k, cal[k] * (1 + 1e-13)))
+    assert audit_codes(root) == set()
+    edit_claim(root, MODEL_FILE, lambda d: d["calibration"].__setitem__(k, cal[k] * (1 + 1e-6)))
+    assert audit_codes(root) == {"perfmodel.calibration_mismatch"}
+
+
+@pytest.mark.parametrize(
+    ("model", "version", "features"), [(MODEL, "1.0", 37), ("h200-perf-model-2", "1.1", 41)]
+)
+def test_the_committed_model_audits_clean_and_its_edits_are_findings(
+    tmp_path: Path, model: str, version: str, features: int
+) -> None:
+    root = _committed(tmp_path, model)
     assert audit_codes(root) == set()  # trains again (kept for the later audits)
     doc = json.loads((root / MODEL_FILE).read_text())
     t = doc["training"]
     assert (t["keys"], len(t["families"])) == (252, 12) and doc["excluded"] == []
+    assert doc["schema_version"] == version and len(doc["feature_names"]) == features
+    assert doc["model"]["n_features"] == features
     PerfModel.from_doc(doc)
     original = (root / MODEL_FILE).read_bytes()
     for edit, code in [

@@ -8,10 +8,13 @@ Always checked:
   sweep and names the model's environment (``perfmodel.sweep_missing``,
   ``perfmodel.sweep_mismatch``); nothing else is checked when one does not;
 - the model is a well-formed forest: every tree's arrays of one length, children after their
-  node, features among :data:`~mxdb.costmodel.features.FEATURE_NAMES`
+  node, features among those of the document's feature set
+  (:data:`~mxdb.costmodel.features.FEATURE_SETS`: set 1 for schema 1.0, set 2 for 1.1)
   (``perfmodel.model_invalid``);
-- ``feature_names`` are mxdb's, ``shape_families`` those of the keys trained on (the sweeps'
-  keys less the excluded families), the gate mxdb's (:class:`~mxdb.costmodel.train.Gate`).
+- ``feature_names`` are that set's, ``shape_families`` those of the keys trained on (the sweeps'
+  keys less the excluded families), the gate mxdb's: the default
+  (:class:`~mxdb.costmodel.train.Gate`) for 1.0, the one :func:`~mxdb.costmodel.train.select_gate`
+  chooses for 1.1.
 
 With scikit-learn importable, the model is trained again on the same keys
 (:func:`mxdb.costmodel.train.train` is deterministic: fixed seeds, one thread) and ``model``,
@@ -22,8 +25,12 @@ each leave-one-family-out outcome's key, family, measured speedup, verdict and b
 speedup (from the recorded choice); the chosen class's score from those outcomes and the
 recorded per-family calibrations (:func:`mxdb.costmodel.train.score`) and the choice of class
 from the scores; the number of outcomes each calibration was fitted on (and the calibration
-itself when its outcomes hold one verdict only).  The forest's trees, the other class's score
-and the calibrations' coefficients are then not checked.
+itself when its outcomes hold one verdict only); for 1.1 the gate and the chosen class's gate
+steps from those outcomes.  The forest's trees, the other class's score and steps and the
+calibrations' coefficients are then not checked.
+
+Numbers of the retrained comparison agree to :data:`REL_TOL`: the calibration's solver runs on
+the machine's BLAS, whose kernels differ in the last bits between processors.
 
 A sweep's own figures are the sweep bundle's audit: audit both.  Retraining takes tens of
 seconds; within one process it is done once per set of sweeps and excluded families.
@@ -41,10 +48,11 @@ from typing import Any
 from mxdb.audit.claims import ClaimKind, Context, Path_, dotted
 from mxdb.audit.compare import same
 from mxdb.audit.findings import FindingSink
-from mxdb.costmodel.features import FEATURE_NAMES
+from mxdb.costmodel.features import FEATURE_SETS
 from mxdb.evidence.perfmodel import (
     MODEL_FILE,
     REPORT_FILE,
+    feature_version,
     render,
     sha256_hex,
     shape_families,
@@ -57,12 +65,15 @@ from mxdb.evidence.sweep import SWEEP_FILE
 
 #: findings of one field of the retrained comparison before the rest are counted in one
 MAX_DIFFS = 10
+#: relative tolerance of a number in the retrained comparison (module docstring); an edit
+#: that matters is many orders of magnitude larger
+REL_TOL = 1e-9
 
 #: a sweep.json's schema, fingerprint and keys by the SHA-256 of its bytes (content-addressed:
 #: the preflight reads them after checking the hash, the figures then find them here)
 _KEYS: dict[str, dict[str, Any]] = {}
-#: train()'s result by (the sweeps' SHA-256s, excluded families)
-_TRAINED: dict[tuple[tuple[str, ...], tuple[str, ...]], dict[str, Any]] = {}
+#: train()'s result by (the sweeps' SHA-256s, excluded families, feature set)
+_TRAINED: dict[tuple[tuple[str, ...], tuple[str, ...], int], dict[str, Any]] = {}
 
 
 def has_sklearn() -> bool:
@@ -84,6 +95,8 @@ def _code(path: Path_) -> str:
         return "calibration_mismatch"
     if path[:2] == ("training", "classes") or path[:2] == ("training", "chosen"):
         return "score_mismatch"
+    if path[:2] == ("training", "gate_steps"):
+        return "gate_mismatch"
     if path[:2] == ("training", "outcomes"):
         return "outcome_mismatch"
     return "training_mismatch" if head == ("training",) else "field_mismatch"
@@ -178,8 +191,8 @@ def _parsed(h: str, data: bytes, what: str) -> Mapping[str, Any]:
     return _KEYS[h]
 
 
-def _model_ok(sink: FindingSink, rel: str, model: Mapping[str, Any]) -> bool:
-    n_features = len(FEATURE_NAMES)
+def _model_ok(sink: FindingSink, rel: str, model: Mapping[str, Any], version: int) -> bool:
+    n_features = len(FEATURE_SETS[version])
     if model["n_features"] != n_features:
         sink.add("perfmodel.model_invalid", rel, "model.n_features", n_features,
                  model["n_features"], "the model takes one input per feature name")  # fmt: skip
@@ -224,7 +237,7 @@ def _diffs(claimed: Any, fresh: Any, path: Path_, out: list[tuple[Path_, Any, An
     if isinstance(claimed, list) and isinstance(fresh, list) and len(claimed) == len(fresh):
         pairs = enumerate(zip(claimed, fresh, strict=True))
         return sum(_diffs(c, f, (*path, i), out) for i, (c, f) in pairs)
-    if same(claimed, fresh, 0.0, 0.0):
+    if same(claimed, fresh, REL_TOL, 0.0):
         return 0
     if len(out) < MAX_DIFFS:
         out.append((path, _shown(fresh), _shown(claimed)))
@@ -244,13 +257,18 @@ def _keys_of(doc: Mapping[str, Any]) -> list[Mapping[str, Any]]:
 def _trained(doc: Mapping[str, Any]) -> dict[str, Any]:
     from mxdb.costmodel.train import train
 
-    tag = (tuple(str(s["sha256"]) for s in doc["sweeps"]), tuple(doc["excluded"]))
+    version = feature_version(doc)
+    tag = (
+        tuple(str(s["sha256"]) for s in doc["sweeps"]),
+        tuple(str(f) for f in doc["excluded"]),
+        version,
+    )
     hit = _TRAINED.pop(tag, None)
     if hit is None:
         while len(_TRAINED) >= 4:  # the least recently used goes
             _TRAINED.pop(next(iter(_TRAINED)))
         # as written to JSON and read back (tuples as lists)
-        hit = json.loads(json.dumps(split_training(train(_keys_of(doc)))))
+        hit = json.loads(json.dumps(split_training(train(_keys_of(doc), version=version))))
     _TRAINED[tag] = hit
     return hit
 
@@ -278,7 +296,7 @@ def _retrained_ok(sink: FindingSink, rel: str, doc: Mapping[str, Any]) -> None:
 def _preflight(sink: FindingSink, rel: str, doc: Mapping[str, Any], _: Context) -> bool:
     if not _sweeps_ok(sink, rel, doc):
         return False
-    ok = _model_ok(sink, rel, doc["model"])
+    ok = _model_ok(sink, rel, doc["model"], feature_version(doc))
     if ok and has_sklearn():
         _retrained_ok(sink, rel, doc)
     return True
@@ -287,13 +305,23 @@ def _preflight(sink: FindingSink, rel: str, doc: Mapping[str, Any], _: Context) 
 def _without_training(doc: Mapping[str, Any]) -> dict[str, Any]:
     """``calibration`` and ``training`` with every leaf that needs no scikit-learn recomputed
     from the sweeps (the others as claimed: module docstring)."""
-    from mxdb.costmodel.train import Gate, Outcome, calibration_points, key_data, score
+    from mxdb.costmodel.train import (
+        Gate,
+        Outcome,
+        calibration_points,
+        key_data,
+        score,
+        select_gate,
+    )
 
     t = copy.deepcopy(dict(doc["training"]))
     cal = copy.deepcopy(dict(doc["calibration"]))
-    kd, rows = key_data(_keys_of(doc))
+    version = feature_version(doc)
+    kd, rows = key_data(_keys_of(doc), version)
     fams = sorted({k.family for k in kd})
-    t.update(rows=len(rows), keys=len(kd), families=fams, gate=dict(Gate().__dict__))
+    t.update(rows=len(rows), keys=len(kd), families=fams)
+    if version < 2:
+        t["gate"] = dict(Gate().__dict__)
     order = [k for f in fams for k in kd if k.family == f]  # lofo's order: family, then key
     claimed = list(t["outcomes"])
     if len(claimed) != len(order):
@@ -312,7 +340,11 @@ def _without_training(doc: Mapping[str, Any]) -> dict[str, Any]:
     t["outcomes"] = [o.__dict__ for o in outs]
     recorded = dict(t["lofo_calibrations"])
     if set(recorded) == set(fams):
-        t["classes"][t["chosen"]] = score(outs, recorded, Gate(**doc["training"]["gate"]))
+        if version >= 2:
+            gate, steps = select_gate(outs, recorded)
+            t["gate"] = dict(gate.__dict__)
+            t["gate_steps"] = {**(t.get("gate_steps") or {}), t["chosen"]: steps}
+        t["classes"][t["chosen"]] = score(outs, recorded, Gate(**t["gate"]))
     t["chosen"] = max(t["classes"], key=lambda n: (t["classes"][n]["dispatch"],
                                                    -t["classes"][n]["slower"], n))  # fmt: skip
     t["lofo_calibrations"] = {
@@ -337,13 +369,18 @@ def _fit_free(points: Sequence[tuple[float, bool]], claimed: Mapping[str, Any]) 
 def _figures(doc: Mapping[str, Any], _: Context) -> Mapping[str, Any]:
     from mxdb.costmodel.train import Gate
 
+    version = feature_version(doc)
     out: dict[str, Any] = {
-        "feature_names": list(FEATURE_NAMES),
+        "feature_names": list(FEATURE_SETS[version]),
         "shape_families": shape_families(_keys_of(doc)),
-        "gate": dict(Gate().__dict__),
     }
     if not has_sklearn():
         out.update(_without_training(doc))
+        out["gate"] = dict(out["training"]["gate"])
+    elif version >= 2:
+        out["gate"] = dict(_trained(doc)["gate"])
+    else:
+        out["gate"] = dict(Gate().__dict__)
     return out
 
 

@@ -10,6 +10,12 @@ measured in the sweep scores the class: the geomean speedup over FlagGems' choic
 answers the gate lets through (:class:`Gate`; a fallback counts 1.0), then fewer slower
 answers.  The class with the best score is trained again on every family: the shipped model.
 
+The gate (feature set 2 on): for each class, the smallest predicted speedup on
+:data:`GATE_STEPS` at which none of the class's gated leave-one-family-out answers measured
+slower, raised by :data:`GATE_GUARD` steps, since a sweep times one routing instance per key
+while a dispatch meets many (:func:`select_gate`).  Models of feature set 1 keep the fixed
+default gate they were trained with.
+
 Confidence: whether a leave-one-family-out choice was faster than FlagGems' choice (the verdict
 rule, on the sweep's rounds) against the forest's agreement on it, fitted by Platt scaling
 (:mod:`mxdb.costmodel.calibration`).  For family ``f`` the map is fitted on the other families'
@@ -23,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -31,7 +37,7 @@ import numpy as np
 from mxdb import verdict
 from mxdb.configs import KernelConfig
 from mxdb.costmodel import calibration, trees
-from mxdb.costmodel.features import FEATURE_NAMES, features
+from mxdb.costmodel.features import CURRENT, features, version_of
 from mxdb.costmodel.menu import menu
 from mxdb.errors import UsageError
 from mxdb.shapes import MoEShape
@@ -54,6 +60,10 @@ CLASSES: dict[str, tuple[str, dict[str, Any]]] = {
 QUANTILE = 0.25
 #: the margin of "faster" in the sweep's outcomes (the tuner's default verify margin)
 MARGIN = 0.005
+#: the predicted speedups a gate may demand (feature set 2 on), smallest first
+GATE_STEPS: tuple[float, ...] = (1.03, 1.04, 1.05, 1.06, 1.07, 1.08, 1.09, 1.10)
+#: steps above the smallest gate with no slower leave-one-family-out answer
+GATE_GUARD = 1
 
 
 @dataclass(frozen=True)
@@ -81,8 +91,10 @@ class KeyData:
     outcomes: Mapping[str, tuple[float, str]]
 
 
-def key_data(keys: Sequence[Mapping[str, Any]]) -> tuple[list[KeyData], list[Row]]:
-    """The keys and training rows of sweep documents' keys."""
+def key_data(
+    keys: Sequence[Mapping[str, Any]], version: int = CURRENT
+) -> tuple[list[KeyData], list[Row]]:
+    """The keys and training rows (feature set ``version``) of sweep documents' keys."""
     out: list[KeyData] = []
     rows: list[Row] = []
     for idx, k in enumerate(keys):
@@ -105,11 +117,11 @@ def key_data(keys: Sequence[Mapping[str, Any]]) -> tuple[list[KeyData], list[Row
             outcomes[cfg.hash] = (p.speedup, v.outcome)
             rows.append(
                 Row(idx, k["family"], cfg.hash,
-                    tuple(features(shape, k["routing_class"], cfg)), math.log(p.speedup))
+                    tuple(features(shape, k["routing_class"], cfg, version)), math.log(p.speedup))
             )  # fmt: skip
         bcfg = KernelConfig.model_validate(k["baseline"])
         rows.append(Row(idx, k["family"], base_hash,
-                        tuple(features(shape, k["routing_class"], bcfg)), 0.0))  # fmt: skip
+                        tuple(features(shape, k["routing_class"], bcfg, version)), 0.0))  # fmt: skip
         out.append(
             KeyData(idx, k["family"], shape, k["routing_class"], k["source"], base_hash, outcomes)
         )
@@ -136,7 +148,7 @@ def fit(name: str, rows: Sequence[Row]) -> dict[str, Any]:
     y = np.asarray([r.y for r in rows], dtype=np.float64)
     est = _estimator(name)
     est.fit(x, y)
-    return trees.from_sklearn(est, "forest", len(FEATURE_NAMES))
+    return trees.from_sklearn(est, "forest", x.shape[1])
 
 
 @dataclass(frozen=True)
@@ -191,7 +203,8 @@ def choose(
     cands = candidates(shape)
     if not cands:
         return Choice(None, 1.0)
-    per_tree = trees.members(model, [features(shape, routing_class, c) for c in cands])
+    version = version_of(model.get("n_features"))
+    per_tree = trees.members(model, [features(shape, routing_class, c, version) for c in cands])
     low = np.quantile(per_tree, QUANTILE, axis=0)
     agree = (per_tree > math.log1p(MARGIN)).mean(axis=0)
     j = int(np.argmax(low))
@@ -296,11 +309,30 @@ menu_config_stub = KernelConfig.parse(
 )  # fmt: skip
 
 
-def train(keys_docs: Sequence[Mapping[str, Any]], gate: Gate | None = None) -> dict[str, Any]:
+def select_gate(
+    outcomes: Sequence[Outcome], cals: Mapping[str, Mapping[str, Any]]
+) -> tuple[Gate, list[dict[str, float]]]:
+    """The gate of one class's leave-one-family-out ``outcomes`` (module docstring), and the
+    score at every step of :data:`GATE_STEPS` it was chosen from."""
+    steps = []
+    for s in GATE_STEPS:
+        sc = score(outcomes, cals, replace(Gate(), min_speedup=s))
+        steps.append({"min_speedup": s, "dispatch": sc["dispatch"],
+                      "answered": sc["answered"], "slower": sc["slower"]})  # fmt: skip
+    safe = next((j for j, st in enumerate(steps) if st["slower"] == 0), len(GATE_STEPS) - 1)
+    top = min(safe + GATE_GUARD, len(GATE_STEPS) - 1)
+    return replace(Gate(), min_speedup=GATE_STEPS[top]), steps
+
+
+def train(
+    keys_docs: Sequence[Mapping[str, Any]], gate: Gate | None = None, version: int = CURRENT
+) -> dict[str, Any]:
     """Every class's leave-one-family-out score, the chosen class's model trained on every
-    family with its calibration, and the leave-one-family-out outcomes and calibrations."""
-    gate = gate or Gate()
-    keys, rows = key_data(keys_docs)
+    family with its calibration, and the leave-one-family-out outcomes and calibrations.
+
+    ``version`` is the feature set; ``gate`` a fixed gate (default: the default gate for
+    feature set 1, else each class's :func:`select_gate`)."""
+    keys, rows = key_data(keys_docs, version)
     families = sorted({k.family for k in keys})
     if len(families) < 3:
         raise UsageError(
@@ -309,24 +341,35 @@ def train(keys_docs: Sequence[Mapping[str, Any]], gate: Gate | None = None) -> d
         )
     scores: dict[str, dict[str, float]] = {}
     runs: dict[str, list[Outcome]] = {}
+    gates: dict[str, Gate] = {}
+    steps: dict[str, list[dict[str, float]]] = {}
     for name in CLASSES:
         _, outs = lofo(name, keys, rows)
         runs[name] = outs
-        scores[name] = score(outs, nested_calibrations(outs), gate)
+        cals = nested_calibrations(outs)
+        if gate is None and version >= 2:
+            gates[name], steps[name] = select_gate(outs, cals)
+        else:
+            gates[name] = gate or Gate()
+        scores[name] = score(outs, cals, gates[name])
     chosen = max(CLASSES, key=lambda n: (scores[n]["dispatch"], -scores[n]["slower"], n))
     outcomes = runs[chosen]
-    return {
+    out: dict[str, Any] = {
         "classes": scores,
         "chosen": chosen,
         "model": fit(chosen, rows),
         "calibration": calibration.fit(calibration_points(outcomes)),
         "lofo_calibrations": nested_calibrations(outcomes),
         "outcomes": [o.__dict__ for o in outcomes],
-        "gate": gate.__dict__,
+        "gate": gates[chosen].__dict__,
         "rows": len(rows),
         "keys": len(keys),
         "families": families,
     }
+    if version >= 2:  # what feature set 1's documents do not hold
+        out["feature_version"] = version
+        out["gate_steps"] = steps
+    return out
 
 
 def lofo_plan(
@@ -341,7 +384,7 @@ def lofo_plan(
     result (its class, gate and per-family calibrations); the models are trained again."""
     from mxdb.models import ROUTING_CLASSES
 
-    keys, rows = key_data(keys_docs)
+    keys, rows = key_data(keys_docs, int(doc.get("feature_version", 1)))
     gate = Gate(**doc["gate"])
     shapes = {k.family: k.shape for k in keys}
     out: list[dict[str, Any]] = []

@@ -1,4 +1,4 @@
-"""The learned performance model as evidence (``model.json``, ``mxdb.perf-model`` 1.0).
+"""The learned performance model as evidence (``model.json``, ``mxdb.perf-model`` 1.1).
 
 :func:`write_model_bundle` (``mxdb model train``) trains the model
 (:func:`mxdb.costmodel.train.train`) on the keys of one or more performance sweeps of one host
@@ -26,6 +26,12 @@ told to leave out, and writes a bundle beside the sweeps::
   it);
 - ``trained_with``: the versions of scikit-learn and numpy that trained it.
 
+Schema 1.1 trains on feature set 2 (:data:`mxdb.costmodel.features.FEATURE_SETS`) and chooses
+each class's gate from its leave-one-family-out answers (:func:`mxdb.costmodel.train.select_gate`);
+its ``training`` adds ``feature_version`` and ``gate_steps`` (each class's score at every step
+the gate was chosen from).  Documents of 1.0 (feature set 1, the fixed default gate) are read
+and audited as they were trained.
+
 Training is deterministic (fixed seeds, one thread), so ``mxdb audit`` trains again from the
 same sweeps and compares (:mod:`mxdb.audit.perfmodel`).
 """
@@ -39,20 +45,27 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from mxdb.costmodel.features import FEATURE_NAMES
+from mxdb.costmodel.features import FEATURE_SETS
 from mxdb.errors import UsageError
 from mxdb.evidence.cells import cell
-from mxdb.evidence.models import _HEX16, _HEX64, _ID, KNOWN_VERSIONS, _Doc
+from mxdb.evidence.models import _HEX16, _HEX64, _ID, KNOWN_VERSIONS, _Doc, optional_fields
 from mxdb.evidence.sweep import SCHEMA as SWEEP_SCHEMA
 from mxdb.evidence.sweep import SWEEP_FILE
 
 MODEL_FILE = "model.json"
 REPORT_FILE = "report/model.md"
 SCHEMA = "mxdb.perf-model"
-SCHEMA_VERSION = "1.0"
+SCHEMA_VERSION = "1.1"
+#: schema version -> the feature set (and gate rule) its models are trained with
+FEATURE_VERSION: dict[str, int] = {"1.0": 1, "1.1": 2}
 
 # the versions of this document the audit understands
-KNOWN_VERSIONS.setdefault(SCHEMA, (SCHEMA_VERSION,))
+KNOWN_VERSIONS.setdefault(SCHEMA, tuple(FEATURE_VERSION))
+
+
+def feature_version(doc: Mapping[str, Any]) -> int:
+    """The feature set a model document of any known schema version was trained with."""
+    return FEATURE_VERSION.get(str(doc.get("schema_version")), FEATURE_VERSION[SCHEMA_VERSION])
 
 
 class SweepRef(_Doc):
@@ -121,8 +134,19 @@ class OutcomeDoc(_Doc):
     best: float
 
 
+class GateStep(_Doc):
+    """One class's leave-one-family-out figures under a gate of one predicted speedup."""
+
+    min_speedup: float
+    dispatch: float
+    answered: int
+    slower: int
+
+
 class TrainingDoc(_Doc):
     """Everything training returns besides the model, its calibration and gate."""
+
+    model_config = optional_fields("feature_version", "gate_steps")  # 1.0 has neither
 
     classes: dict[str, ClassScore]
     chosen: str
@@ -132,13 +156,17 @@ class TrainingDoc(_Doc):
     rows: int
     keys: int
     families: list[str]
+    feature_version: int | None = Field(default=None, description="1.1: the feature set")
+    gate_steps: dict[str, list[GateStep]] | None = Field(
+        default=None, description="1.1: each class's score at every gate step it chose from"
+    )
 
 
 class PerfModelDoc(_Doc):
     """``model.json``: a learned performance model (module docstring)."""
 
     schema_name: Literal["mxdb.perf-model"] = Field(default="mxdb.perf-model", alias="schema")
-    schema_version: Literal["1.0"] = "1.0"
+    schema_version: Literal["1.0", "1.1"] = "1.1"
     milestone: str
     fingerprint_hash: str = Field(pattern=_HEX16)
     sweeps: list[SweepRef] = Field(min_length=1)
@@ -230,7 +258,7 @@ def build_model(
         "sweeps": [dict(r) for r in refs],
         "excluded": list(excluded),
         "shape_families": shape_families(keys),
-        "feature_names": list(FEATURE_NAMES),
+        "feature_names": list(FEATURE_SETS[FEATURE_VERSION[SCHEMA_VERSION]]),
         **split_training(result),
         "trained_with": dict(libraries),
     }
@@ -282,7 +310,7 @@ def write_model_bundle(sweeps: Sequence[Path], out: Path, *, exclude: Sequence[s
             f"{', '.join(sorted(present))}"
         )
     keys = training_keys([d for _, d in loaded], excluded)
-    result = train(keys)
+    result = train(keys, version=FEATURE_VERSION[SCHEMA_VERSION])
     refs = [
         {"bundle": n, "sha256": sha256_hex(data)}
         for n, (data, _) in zip(names, loaded, strict=True)
@@ -341,6 +369,7 @@ def render(doc: Mapping[str, Any]) -> str:
         f"a predicted lower-quartile speedup of at least {g['min_speedup']:g}; otherwise "
         "FlagGems' own choice.",
         "",
+        *_gate_lines(t),
         f"Chosen class: {t['chosen']}, trained again on every family: {len(m['trees'])} trees, "
         f"{nodes} nodes, {m['n_features']} features. Confidence: P(faster) = 1 / (1 + "
         f"exp(-({cal['a']:.4f} x agreement {'-' if cal['b'] < 0 else '+'} {abs(cal['b']):.4f}"
@@ -350,3 +379,28 @@ def render(doc: Mapping[str, Any]) -> str:
         "Shape families the model was trained on: " + ", ".join(doc["shape_families"]) + ".",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _gate_lines(t: Mapping[str, Any]) -> list[str]:
+    """How each class's gate was chosen (schema 1.1; nothing for 1.0's fixed gate)."""
+    from mxdb.costmodel.train import GATE_GUARD
+
+    steps = t.get("gate_steps")
+    if not steps:
+        return []
+    lines = [
+        f"The gate's predicted speedup (feature set {t.get('feature_version')}) was chosen per "
+        "class from its leave-one-family-out answers: the smallest step at which no gated "
+        f"answer measured slower than FlagGems' choice, raised by {GATE_GUARD} step(s), since "
+        "the sweep times one routing instance per key.",
+        "",
+        "| class | min speedup | dispatch geomean | answered | slower |",
+        "|---|---|---|---|---|",
+    ]
+    for name in sorted(steps):
+        for st in steps[name]:
+            lines.append(
+                f"| {name} | {cell(st['min_speedup'], '.2f')} | {cell(st['dispatch'], '.4f')} | "
+                f"{st['answered']} | {st['slower']} |"
+            )
+    return [*lines, ""]

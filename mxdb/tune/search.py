@@ -377,13 +377,14 @@ def model_ranking(
     (``mxdb.costmodel.features``) through the model's trees (``mxdb.costmodel.trees``; the
     ensemble's mean predicted log speedup).
     """
-    from mxdb.costmodel.features import features
+    from mxdb.costmodel.features import features, version_of
     from mxdb.costmodel.trees import predict
 
     fits = [c for c in space.uniform() if space.verdict(c) is None]
     if not fits:
         return []
-    logs = predict(model.forest, [features(shape, routing_class, c) for c in fits])
+    version = version_of(model.forest.get("n_features"))
+    logs = predict(model.forest, [features(shape, routing_class, c, version) for c in fits])
     order = sorted(range(len(fits)), key=lambda j: (-logs[j], j))
     return [(fits[j], math.exp(logs[j])) for j in order]
 
