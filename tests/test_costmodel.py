@@ -218,3 +218,19 @@ def test_the_gate_is_the_smallest_step_with_no_slower_answer_plus_the_guard() ->
     # nothing safe on the grid: the largest step
     gate, _ = select_gate([_outcome("f1", 2.0, "slower")], {"f1": sure})
     assert gate.min_speedup == GATE_STEPS[-1]
+
+
+def test_committed_models_of_both_feature_sets_answer() -> None:
+    from pathlib import Path
+
+    from mxdb.costmodel.model import PerfModel
+    from mxdb.shapes import MoEShape
+
+    ev = Path(__file__).resolve().parents[1] / "evidence"
+    shape = MoEShape(experts=64, hidden=3584, intermediate=1280, topk=8, tokens=256, dtype="bf16")
+    for name, width, gate in (("h200-perf-model", 37, 1.03), ("h200-perf-model-2", 41, 1.06)):
+        model = PerfModel.load(ev / name / "model.json")
+        assert model.forest["n_features"] == width and model.gate.min_speedup == gate
+        choice = model.choice(shape, "uniform")
+        assert choice.config is not None and choice.confidence is not None
+        assert model.answer(shape, "uniform") == (choice if model.gate.admits(choice) else None)
