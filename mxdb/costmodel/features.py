@@ -103,12 +103,13 @@ def version_of(n_features: object) -> int:
     )
 
 
-def _waves(shape: MoEShape, config: KernelConfig) -> tuple[float, float, float]:
+def _waves(
+    shape: MoEShape, config: KernelConfig, act: float, per_expert: float
+) -> tuple[float, float, float]:
     """(padding share of an expert's block, waves of GEMM1's programs, waves of GEMM2's) of
-    ``config`` under uniform load (one program per tile of slots and output block)."""
+    ``config`` under uniform load (one program per tile of slots and output block), with
+    ``act`` active experts of ``per_expert`` token slots each."""
     h, i = shape.hidden, shape.intermediate
-    act = active_experts(shape)
-    per_expert = shape.tokens * shape.topk / max(act, 1e-9)
     g1, g2 = config.gemm1, config.gemm2
     padded = math.ceil(per_expert / config.align_block) * config.align_block
     pad = (padded - per_expert) / padded
@@ -135,7 +136,7 @@ def features(
     per_expert = m * k / max(act, 1e-9)
     g1, g2 = config.gemm1, config.gemm2
     align = config.align_block
-    pad, waves1, waves2 = _waves(shape, config)
+    pad, waves1, waves2 = _waves(shape, config, act, per_expert)
     base = flaggems_default_config(shape)
     # differences from FlagGems' choice: the model predicts time relative to it
     diffs = [
@@ -176,6 +177,6 @@ def features(
         *diffs,
     ]
     if version >= 2:
-        _, b1, b2 = _waves(shape, KernelConfig.uniform(base))
+        _, b1, b2 = _waves(shape, KernelConfig.uniform(base), act, per_expert)
         out += [_l2(b1), _l2(b2), _l2(min(b1, b2)), _l2(min(waves1, waves2)) - _l2(min(b1, b2))]
     return out
