@@ -28,7 +28,7 @@ for m in 4 64 1024; do
   mxdb dispatch --experts 8 --hidden 4096 --intermediate 14336 --topk 2 --tokens "$m" \
     --dtype bf16 --routing-class uniform --fingerprint "$fp"
 done
-model=evidence/h200-perf-model-2/model.json
+model=evidence/h200-perf-model-3/model.json
 for m in 16 256; do
   echo "== mxdb dispatch E=64 H=3584 I=1280 k=8 M=$m (a family nothing measured) with the performance model"
   mxdb dispatch --experts 64 --hidden 3584 --intermediate 1280 --topk 8 --tokens "$m" \

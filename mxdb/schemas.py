@@ -43,7 +43,7 @@ REGISTRY: dict[str, tuple[str, str, str]] = {
     "stages": ("mxdb.evidence.stages:StagesDoc", "1.1", "serialization"),
     "perf-check": ("mxdb.evidence.perfcheck:CheckDoc", "1.0", "serialization"),
     "perf-sweep": ("mxdb.evidence.sweep:SweepDoc", "1.0", "serialization"),
-    "perf-model": ("mxdb.evidence.perfmodel:PerfModelDoc", "1.1", "serialization"),
+    "perf-model": ("mxdb.evidence.perfmodel:PerfModelDoc", "1.2", "serialization"),
 }
 
 #: The document name a file declares in its "schema" field -> registry name.

@@ -128,6 +128,30 @@ def _sweep_keys() -> list[dict[str, object]]:
     return keys
 
 
+def test_a_checks_map_rises_with_the_predicted_speedup_and_steps_at_the_gate() -> None:
+    pytest.importorskip("sklearn")
+    # win rates of a check: about 0.6 below the step, rising with the prediction, 1 above
+    pts = [(1.0 + 0.005 * i, i % 5 < 3 + (i > 6)) for i in range(12)]
+    pts += [(1.06 + 0.01 * i, i != 3) for i in range(12)]
+    cal = calibration.fit_gated(pts * 5, 1.06)
+    assert set(cal) == {"a", "b", "c", "d", "step", "n"} and cal["a"] == 0.0
+    assert cal["c"] > 0 and cal["d"] > 0 and cal["step"] == 1.06 and cal["n"] == 120
+    confs = [calibration.confidence(cal, 0.0, 1.0 + 0.005 * i) for i in range(25)]
+    assert confs == sorted(confs)
+    below, above = calibration.confidence(cal, 0, 1.0599), calibration.confidence(cal, 0, 1.06)
+    assert above - below > 0.05  # the step
+    # the agreement does not enter a check's map; the sweep's map ignores the prediction
+    assert calibration.confidence(cal, 1.0, 1.03) == calibration.confidence(cal, 0.2, 1.03)
+    sweep = calibration.fit([(0.2, False), (0.9, True), (0.5, True), (0.4, False)])
+    assert calibration.confidence(sweep, 0.5, 1.2) == calibration.confidence(sweep, 0.5, 1.0)
+    # every choice on one side of the step: that input gets no coefficient
+    one_side = calibration.fit_gated([(1.0 + 0.01 * i, i % 3 > 0) for i in range(5)], 1.06)
+    assert one_side["d"] == 0.0 and one_side["c"] != 0.0
+    # one verdict only, or none: a constant
+    assert calibration.confidence(calibration.fit_gated([(1.1, True)] * 3, 1.06), 0, 1.0) > 0.99
+    assert calibration.fit_gated([], 1.06)["n"] == 0
+
+
 def test_training_is_deterministic_and_validates_leaving_each_family_out() -> None:
     keys = _sweep_keys()
     ks, rows = key_data(keys)
@@ -228,9 +252,15 @@ def test_committed_models_of_both_feature_sets_answer() -> None:
 
     ev = Path(__file__).resolve().parents[1] / "evidence"
     shape = MoEShape(experts=64, hidden=3584, intermediate=1280, topk=8, tokens=256, dtype="bf16")
-    for name, width, gate in (("h200-perf-model", 37, 1.03), ("h200-perf-model-2", 41, 1.06)):
+    for name, width, gate in (("h200-perf-model", 37, 1.03), ("h200-perf-model-2", 41, 1.06),
+                              ("h200-perf-model-3", 41, 1.06)):  # fmt: skip
         model = PerfModel.load(ev / name / "model.json")
         assert model.forest["n_features"] == width and model.gate.min_speedup == gate
         choice = model.choice(shape, "uniform")
         assert choice.config is not None and choice.confidence is not None
+        # the third model's confidence is its check's map of the predicted speedup
+        assert ("c" in model.calibration) == (name == "h200-perf-model-3")
+        assert choice.confidence == calibration.confidence(
+            model.calibration, choice.agreement, choice.predicted
+        )
         assert model.answer(shape, "uniform") == (choice if model.gate.admits(choice) else None)

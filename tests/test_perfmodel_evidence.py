@@ -63,7 +63,7 @@ def test_the_model_bundle_is_what_answering_and_the_check_read(folder: Path) -> 
     t = doc["training"]
     assert t["families"] == sorted(FAMILIES) and t["keys"] == len(json.loads(sweep)["keys"])
     # the gate the chosen class's leave-one-family-out answers chose (feature set 2)
-    assert doc["schema_version"] == "1.1" and t["feature_version"] == 2
+    assert doc["schema_version"] == "1.2" and t["feature_version"] == 2
     steps = t["gate_steps"][t["chosen"]]
     safe = next(j for j, st in enumerate(steps) if st["slower"] == 0)
     want = steps[min(safe + GATE_GUARD, len(steps) - 1)]["min_speedup"]
@@ -196,7 +196,9 @@ def test_without_scikit_learn_what_needs_no_training_is_still_checked(
 
 
 def _committed(tmp_path: Path, model: str = MODEL) -> Path:
-    for name in (SWEEP, model):
+    """The committed model copied with its sweep (and the check it was calibrated on)."""
+    check = json.loads((EVIDENCE / model / MODEL_FILE).read_text()).get("calibrated_on")
+    for name in (SWEEP, model, *([check["bundle"]] if check else [])):
         shutil.copytree(EVIDENCE / name, tmp_path / name)
     return tmp_path / model
 
@@ -213,7 +215,8 @@ def test_a_last_bit_difference_of_a_number_is_no_finding(folder: Path, tmp_path:
 
 
 @pytest.mark.parametrize(
-    ("model", "version", "features"), [(MODEL, "1.0", 37), ("h200-perf-model-2", "1.1", 41)]
+    ("model", "version", "features"),
+    [(MODEL, "1.0", 37), ("h200-perf-model-2", "1.1", 41), ("h200-perf-model-3", "1.2", 41)],
 )
 def test_the_committed_model_audits_clean_and_its_edits_are_findings(
     tmp_path: Path, model: str, version: str, features: int

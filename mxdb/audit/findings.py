@@ -258,6 +258,10 @@ CHECKS: dict[str, str] = {
     "perfmodel.sweep_missing": "a sweep bundle a performance model was trained on is not beside it",
     "perfmodel.sweep_mismatch": "a sweep a performance model names has another SHA-256, schema or "
     "environment, or is named twice",
+    "perfmodel.check_missing": "the check bundle a performance model was calibrated on is not "
+    "beside it",
+    "perfmodel.check_mismatch": "the check a performance model was calibrated on has another "
+    "SHA-256, schema, environment or sweep, or did not time the model's choices",
     "perfmodel.model_invalid": "a performance model's forest is malformed (tree arrays, children, "
     "feature indices)",
     "perfmodel.feature_mismatch": "a performance model's feature names are not mxdb's",

@@ -11,6 +11,11 @@ Always checked:
   node, features among those of the document's feature set
   (:data:`~mxdb.costmodel.features.FEATURE_SETS`: set 1 for schema 1.0, set 2 for 1.1)
   (``perfmodel.model_invalid``);
+- a 1.2 model calibrated on a check (``calibrated_on``): the check bundle lies beside it and
+  hashes to the recorded SHA-256, is a ``mxdb.perf-check`` of the model's host and of one of
+  its sweeps (``perfmodel.check_missing``, ``perfmodel.check_mismatch``); training again then
+  takes the check's timed choices, and fails (``perfmodel.check_mismatch``) unless the check
+  timed exactly the choices this training's leave-one-family-out models make;
 - ``feature_names`` are that set's, ``shape_families`` those of the keys trained on (the sweeps'
   keys less the excluded families), the gate mxdb's: the default
   (:class:`~mxdb.costmodel.train.Gate`) for 1.0, the one :func:`~mxdb.costmodel.train.select_gate`
@@ -25,7 +30,8 @@ each leave-one-family-out outcome's key, family, measured speedup, verdict and b
 speedup (from the recorded choice); the chosen class's score from those outcomes and the
 recorded per-family calibrations (:func:`mxdb.costmodel.train.score`) and the choice of class
 from the scores; the number of outcomes each calibration was fitted on (and the calibration
-itself when its outcomes hold one verdict only); for 1.1 the gate and the chosen class's gate
+itself when its outcomes hold one verdict only; for a check's maps, the check's outcomes);
+for 1.1 and 1.2 the gate and the chosen class's gate
 steps from those outcomes.  The forest's trees, the other class's score and steps and the
 calibrations' coefficients are then not checked.
 
@@ -49,9 +55,14 @@ from mxdb.audit.claims import ClaimKind, Context, Path_, dotted
 from mxdb.audit.compare import same
 from mxdb.audit.findings import FindingSink
 from mxdb.costmodel.features import FEATURE_SETS
+from mxdb.costmodel.train import CheckPoint
 from mxdb.evidence.perfmodel import (
+    CHECK_FILE,
+    CHECK_SCHEMA,
     MODEL_FILE,
     REPORT_FILE,
+    check_mismatch,
+    check_points,
     feature_version,
     render,
     sha256_hex,
@@ -72,8 +83,10 @@ REL_TOL = 1e-9
 #: a sweep.json's schema, fingerprint and keys by the SHA-256 of its bytes (content-addressed:
 #: the preflight reads them after checking the hash, the figures then find them here)
 _KEYS: dict[str, dict[str, Any]] = {}
-#: train()'s result by (the sweeps' SHA-256s, excluded families, feature set)
-_TRAINED: dict[tuple[tuple[str, ...], tuple[str, ...], int], dict[str, Any]] = {}
+#: a check's timed choices by the SHA-256 of its check.json
+_CHECKS: dict[str, list[CheckPoint]] = {}
+#: train()'s result by (the sweeps' SHA-256s, excluded families, feature set, the check's)
+_TRAINED: dict[tuple[tuple[str, ...], tuple[str, ...], int, str], dict[str, Any]] = {}
 
 
 def has_sklearn() -> bool:
@@ -91,8 +104,13 @@ def _code(path: Path_) -> str:
         return "gate_mismatch"
     if head == ("model",):
         return "model_mismatch"
-    if head == ("calibration",) or path[:2] == ("training", "lofo_calibrations"):
+    if head == ("calibration",) or path[:2] in (
+        ("training", "lofo_calibrations"),
+        ("training", "check_calibrations"),
+    ):
         return "calibration_mismatch"
+    if head == ("calibrated_on",):
+        return "check_mismatch"
     if path[:2] == ("training", "classes") or path[:2] == ("training", "chosen"):
         return "score_mismatch"
     if path[:2] == ("training", "gate_steps"):
@@ -108,15 +126,50 @@ def _bundle_root(sink: FindingSink) -> Path | None:
     return Path(root) if root is not None else None
 
 
-def _sweeps_ok(sink: FindingSink, rel: str, doc: Mapping[str, Any]) -> bool:
+def _sibling(
+    sink: FindingSink, rel: str, where: str, ref: Mapping[str, Any], file: str, what: str
+) -> bytes | None:
+    """The bytes of ``file`` of the sibling bundle ``ref`` names (its folder beside the bundle
+    under audit, hashing to its ``sha256``), or None after a finding (``what``: ``sweep`` or
+    ``check``)."""
     from mxdb.fileio import MAX_DOCUMENT_BYTES
 
     root = _bundle_root(sink)
     if root is None:
-        sink.add("perfmodel.sweep_missing", rel, "sweeps", "the bundle's folder",
+        sink.add(f"perfmodel.{what}_missing", rel, where, "the bundle's folder",
                  "unknown", "the audit does not know where this bundle lies")  # fmt: skip
-        return False
+        return None
     home = root.resolve().parent
+    name = str(ref["bundle"])
+    folder = home / name
+    f = folder / file
+    if "/" in name or name in (".", "..") or folder.is_symlink() or f.is_symlink():
+        sink.add(f"perfmodel.{what}_missing", rel, f"{where}.bundle",
+                 f"a {what} bundle folder beside this bundle", name,
+                 "not a plain folder name, or a symbolic link (never followed)")  # fmt: skip
+        return None
+    if not f.is_file():
+        sink.add(f"perfmodel.{what}_missing", rel, f"{where}.bundle",
+                 f"{name}/{file} beside this bundle", "no such file",
+                 f"the {what} bundle the model names is not in {home}")  # fmt: skip
+        return None
+    try:
+        if f.stat().st_size > MAX_DOCUMENT_BYTES:
+            raise OSError(f"larger than {MAX_DOCUMENT_BYTES:,} bytes")
+        data = f.read_bytes()
+    except OSError as exc:
+        sink.add(f"perfmodel.{what}_missing", rel, f"{where}.bundle", f"a readable {file}",
+                 str(exc)[:160], f"the {what} cannot be read")  # fmt: skip
+        return None
+    h = sha256_hex(data)
+    if h != ref["sha256"]:
+        sink.add(f"perfmodel.{what}_mismatch", rel, f"{where}.sha256", h, ref["sha256"],
+                 f"{name}/{file} is not the {what} the model names")  # fmt: skip
+        return None
+    return data
+
+
+def _sweeps_ok(sink: FindingSink, rel: str, doc: Mapping[str, Any]) -> bool:
     while len(_KEYS) >= 8:  # a bound on what stays parsed between audits: the oldest goes
         _KEYS.pop(next(iter(_KEYS)))
     ok = True
@@ -124,40 +177,16 @@ def _sweeps_ok(sink: FindingSink, rel: str, doc: Mapping[str, Any]) -> bool:
     for i, ref in enumerate(doc["sweeps"]):
         where = f"sweeps[{i}]"
         name = str(ref["bundle"])
-        folder = home / name
-        f = folder / SWEEP_FILE
         if names.index(name) != i:
             sink.add("perfmodel.sweep_mismatch", rel, f"{where}.bundle", "each sweep once",
                      name, "a sweep bundle is named twice")  # fmt: skip
             ok = False
             continue
-        if "/" in name or name in (".", "..") or folder.is_symlink() or f.is_symlink():
-            sink.add("perfmodel.sweep_missing", rel, f"{where}.bundle",
-                     "a sweep bundle folder beside this bundle", name,
-                     "not a plain folder name, or a symbolic link (never followed)")  # fmt: skip
-            ok = False
-            continue
-        if not f.is_file():
-            sink.add("perfmodel.sweep_missing", rel, f"{where}.bundle",
-                     f"{name}/{SWEEP_FILE} beside this bundle", "no such file",
-                     f"the sweep bundle the model was trained on is not in {home}")  # fmt: skip
-            ok = False
-            continue
-        try:
-            if f.stat().st_size > MAX_DOCUMENT_BYTES:
-                raise OSError(f"larger than {MAX_DOCUMENT_BYTES:,} bytes")
-            data = f.read_bytes()
-        except OSError as exc:
-            sink.add("perfmodel.sweep_missing", rel, f"{where}.bundle", "a readable sweep.json",
-                     str(exc)[:160], "the sweep cannot be read")  # fmt: skip
+        data = _sibling(sink, rel, where, ref, SWEEP_FILE, "sweep")
+        if data is None:
             ok = False
             continue
         h = sha256_hex(data)
-        if h != ref["sha256"]:
-            sink.add("perfmodel.sweep_mismatch", rel, f"{where}.sha256", h, ref["sha256"],
-                     f"{name}/{SWEEP_FILE} is not the sweep the model was trained on")  # fmt: skip
-            ok = False
-            continue
         sweep = _parsed(h, data, f"{name}/{SWEEP_FILE}")
         if sweep.get("schema") != SWEEP_SCHEMA:
             sink.add("perfmodel.sweep_mismatch", rel, f"{where}.bundle", SWEEP_SCHEMA,
@@ -170,6 +199,43 @@ def _sweeps_ok(sink: FindingSink, rel: str, doc: Mapping[str, Any]) -> bool:
                      f"{name} was measured in another environment than the model names")  # fmt: skip
             ok = False
     return ok
+
+
+def _check_ok(sink: FindingSink, rel: str, doc: Mapping[str, Any]) -> bool:
+    """The check a 1.2 model was calibrated on: beside it, unchanged, a check of the model's
+    sweeps and host; its timed choices are parsed into :data:`_CHECKS`."""
+    from mxdb.errors import MxdbError
+    from mxdb.fileio import parse_json
+
+    ref = doc.get("calibrated_on")
+    if ref is None:
+        return True
+    data = _sibling(sink, rel, "calibrated_on", ref, CHECK_FILE, "check")
+    if data is None:
+        return False
+    h = sha256_hex(data)
+    try:
+        chk = parse_json(data, what=f"{ref['bundle']}/{CHECK_FILE}")
+        if not isinstance(chk, dict) or chk.get("schema") != CHECK_SCHEMA:
+            raise ValueError(f"schema {chk.get('schema') if isinstance(chk, dict) else chk!r}")
+        why = check_mismatch(chk, doc["sweeps"], doc["fingerprint_hash"])
+        if why is not None:
+            raise ValueError(why)
+        points = check_points(chk)
+    except (MxdbError, KeyError, TypeError, ValueError) as exc:
+        sink.add("perfmodel.check_mismatch", rel, "calibrated_on.bundle",
+                 f"a {CHECK_SCHEMA} document of the model's sweeps and host", str(exc)[:160],
+                 "the model cannot have been calibrated on it")  # fmt: skip
+        return False
+    while len(_CHECKS) >= 4:  # the oldest goes
+        _CHECKS.pop(next(iter(_CHECKS)))
+    _CHECKS[h] = points
+    return True
+
+
+def _check_of(doc: Mapping[str, Any]) -> list[CheckPoint] | None:
+    ref = doc.get("calibrated_on")
+    return None if ref is None else _CHECKS[str(ref["sha256"])]
 
 
 def _parsed(h: str, data: bytes, what: str) -> Mapping[str, Any]:
@@ -262,19 +328,29 @@ def _trained(doc: Mapping[str, Any]) -> dict[str, Any]:
         tuple(str(s["sha256"]) for s in doc["sweeps"]),
         tuple(str(f) for f in doc["excluded"]),
         version,
+        str((doc.get("calibrated_on") or {}).get("sha256", "")),
     )
     hit = _TRAINED.pop(tag, None)
     if hit is None:
         while len(_TRAINED) >= 4:  # the least recently used goes
             _TRAINED.pop(next(iter(_TRAINED)))
         # as written to JSON and read back (tuples as lists)
-        hit = json.loads(json.dumps(split_training(train(_keys_of(doc), version=version))))
+        result = train(_keys_of(doc), version=version, check=_check_of(doc))
+        hit = json.loads(json.dumps(split_training(result)))
     _TRAINED[tag] = hit
     return hit
 
 
 def _retrained_ok(sink: FindingSink, rel: str, doc: Mapping[str, Any]) -> None:
-    fresh = _trained(doc)
+    from mxdb.errors import MxdbError
+
+    try:
+        fresh = _trained(doc)
+    except MxdbError as exc:  # the check did not time this training's choices
+        sink.add("perfmodel.check_mismatch", rel, "calibrated_on", "a check of this model's "
+                 "leave-one-family-out choices", str(exc)[:240],
+                 "training again with the check fails")  # fmt: skip
+        return
     ours = trained_with()
     theirs = doc.get("trained_with") or {}
     note = "" if theirs == ours else (
@@ -294,7 +370,7 @@ def _retrained_ok(sink: FindingSink, rel: str, doc: Mapping[str, Any]) -> None:
 
 
 def _preflight(sink: FindingSink, rel: str, doc: Mapping[str, Any], _: Context) -> bool:
-    if not _sweeps_ok(sink, rel, doc):
+    if not _sweeps_ok(sink, rel, doc) or not _check_ok(sink, rel, doc):
         return False
     ok = _model_ok(sink, rel, doc["model"], feature_version(doc))
     if ok and has_sklearn():
@@ -352,17 +428,30 @@ def _without_training(doc: Mapping[str, Any]) -> dict[str, Any]:
                      recorded.get(f, {"a": None, "b": None}))
         for f in fams
     }  # fmt: skip
-    cal = _fit_free(calibration_points(outs), cal)
+    check = _check_of(doc)
+    if check is None:
+        cal = _fit_free(calibration_points(outs), cal)
+        return {"calibration": cal, "training": t}
+    step = float(t["gate"]["min_speedup"])
+    stated = dict(t.get("check_calibrations") or {})
+    t["check_calibrations"] = {
+        f: _fit_free([(p.predicted, p.faster) for p in check if p.family != f],
+                     stated.get(f, {"a": None, "b": None}), step)
+        for f in fams
+    }  # fmt: skip
+    cal = _fit_free([(p.predicted, p.faster) for p in check], cal, step)
     return {"calibration": cal, "training": t}
 
 
-def _fit_free(points: Sequence[tuple[float, bool]], claimed: Mapping[str, Any]) -> dict[str, Any]:
+def _fit_free(
+    points: Sequence[tuple[float, bool]], claimed: Mapping[str, Any], step: float | None = None
+) -> dict[str, Any]:
     """A calibration's outcome count, and the whole calibration where fitting it needs no
-    scikit-learn (no outcomes, or one verdict only)."""
+    scikit-learn (no outcomes, or one verdict only); ``step``: a check's map (the gate's)."""
     from mxdb.costmodel import calibration
 
     if len({w for _, w in points}) < 2:
-        return calibration.fit(points)
+        return calibration.fit(points) if step is None else calibration.fit_gated(points, step)
     return {**claimed, "n": len(points)}
 
 
@@ -378,7 +467,12 @@ def _figures(doc: Mapping[str, Any], _: Context) -> Mapping[str, Any]:
         out.update(_without_training(doc))
         out["gate"] = dict(out["training"]["gate"])
     elif version >= 2:
-        out["gate"] = dict(_trained(doc)["gate"])
+        from mxdb.errors import MxdbError
+
+        try:
+            out["gate"] = dict(_trained(doc)["gate"])
+        except MxdbError:  # training again failed: the preflight's finding says why
+            out["gate"] = dict(doc["gate"])
     else:
         out["gate"] = dict(Gate().__dict__)
     return out

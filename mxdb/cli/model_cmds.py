@@ -48,21 +48,39 @@ def model_group() -> None:
     help="Leave this family's sweep keys out of training (repeatable; a preset name as the "
     "sweeps record it, e.g. mixtral-8x7b), e.g. to check the model on a family it never saw.",
 )
+@click.option(
+    "--calibrate-on",
+    type=click.Path(path_type=Path),
+    default=None,
+    metavar="CHECK_BUNDLE",
+    help="Fit the confidence on this held-out check bundle (benchmarks/perf_check.py publish) "
+    "of a model trained on the same sweeps, in the same folder, instead of on the sweep.",
+)
 @json_option
 @handle_errors
-def train_cmd(sweeps: tuple[Path, ...], out: Path, exclude: tuple[str, ...], as_json: bool) -> None:
+def train_cmd(
+    sweeps: tuple[Path, ...],
+    out: Path,
+    exclude: tuple[str, ...],
+    calibrate_on: Path | None,
+    as_json: bool,
+) -> None:
     """Train the performance model from sweep bundles and write a model bundle.
 
     SWEEP_BUNDLE... are bundles of perf sweeps (benchmarks/perf_sweep.py publish)
     of one host, at least 3 families; --out lies in their folder.  Every model
     class is scored by leave-one-family-out validation; the best is trained on
-    every family and written with its calibration and gate.  Prints the bundle
+    every family and written with its calibration and gate (the calibration
+    fitted on the sweep, or with --calibrate-on on the timed choices of a
+    held-out check of the same leave-one-family-out models).  Prints the bundle
     and the chosen class's figures.  Needs scikit-learn (the model extra).  Exit
     0 on success, 1 on failure, 2 for bad input.
     """
     from mxdb.evidence.perfmodel import write_model_bundle
 
-    bundle = Path(write_model_bundle(list(sweeps), out, exclude=list(exclude)))
+    bundle = Path(
+        write_model_bundle(list(sweeps), out, exclude=list(exclude), calibrate_on=calibrate_on)
+    )
     summary = training_summary(bundle)
     if as_json:
         emit_json(summary)

@@ -19,7 +19,9 @@ default gate they were trained with.
 Confidence: whether a leave-one-family-out choice was faster than FlagGems' choice (the verdict
 rule, on the sweep's rounds) against the forest's agreement on it, fitted by Platt scaling
 (:mod:`mxdb.costmodel.calibration`).  For family ``f`` the map is fitted on the other families'
-outcomes only, so the confidence stated for ``f``'s keys never saw them.
+outcomes only, so the confidence stated for ``f``'s keys never saw them.  Better: calibrate on
+a held-out check of the same leave-one-family-out choices (``check``: :func:`check_calibrations`),
+whose protocol is a dispatch's; the sweep's maps then only score the classes and the gate.
 
 Needs scikit-learn (the ``model`` extra); every estimator is deterministic (fixed seeds, one
 thread), so the audit trains again and gets the same trees.
@@ -211,8 +213,9 @@ def choose(
     if low[j] <= 0.0:
         return Choice(None, math.exp(float(low[j])))
     a = float(agree[j])
-    conf = calibration.confidence(cal, a) if cal is not None else None
-    return Choice(cands[j], math.exp(float(low[j])), a, conf)
+    predicted = math.exp(float(low[j]))
+    conf = calibration.confidence(cal, a, predicted) if cal is not None else None
+    return Choice(cands[j], predicted, a, conf)
 
 
 @dataclass(frozen=True)
@@ -280,7 +283,8 @@ def score(
     ungated choice's and the best measured config's geomeans."""
     dispatch, pairs, answered, slower = [], [], 0, 0
     for o in outcomes:
-        conf = calibration.confidence(cals[o.family], o.agreement) if o.config_hash else None
+        conf = (calibration.confidence(cals[o.family], o.agreement, o.predicted)
+                if o.config_hash else None)  # fmt: skip
         ch = Choice(None if o.config_hash is None else menu_config_stub, o.predicted,
                     o.agreement, conf)  # fmt: skip
         if o.config_hash is not None and conf is not None:
@@ -324,14 +328,81 @@ def select_gate(
     return replace(Gate(), min_speedup=GATE_STEPS[top]), steps
 
 
+@dataclass(frozen=True)
+class CheckPoint:
+    """A timed leave-one-family-out choice of a held-out check (``mxdb.perf-check``): where it
+    was asked, what the plan stated, and whether it measured faster than FlagGems' choice."""
+
+    family: str
+    shape: MoEShape
+    routing_class: str
+    config_hash: str
+    predicted: float
+    agreement: float
+    faster: bool
+
+
+def check_calibrations(
+    models: Mapping[str, Mapping[str, Any]], points: Sequence[CheckPoint], gate: Gate
+) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """The confidence map fitted on a check's outcomes (:func:`calibration.fit_gated`, the
+    gate's step), on every family's and, per family, on the other families' only.
+
+    The check must have timed *these* leave-one-family-out choices (``models``: each family's
+    model trained without it): the choice and predicted speedup the plan stated at each point
+    are the ones ``models`` make there, else :class:`UsageError`."""
+    if not points:
+        raise UsageError("the check holds no timed choice of the model to calibrate on")
+    unknown = sorted({p.family for p in points} - set(models))
+    if unknown:
+        raise UsageError(
+            f"the check times families the model was not trained on: {', '.join(unknown)}; "
+            f"it was trained on {', '.join(sorted(models))}"
+        )
+    asked: dict[tuple[str, int, str], Choice] = {}
+    wrong: list[str] = []
+    for p in points:
+        at = (p.family, p.shape.tokens, p.routing_class)
+        if at not in asked:
+            asked[at] = choose(models[p.family], p.shape, p.routing_class)
+        ch = asked[at]
+        if (ch.config is None or ch.config.hash != p.config_hash
+                or abs(ch.predicted - p.predicted) > 1e-9 * abs(p.predicted)):  # fmt: skip
+            wrong.append(
+                f"{p.family} M={p.shape.tokens} {p.routing_class}: the check timed "
+                f"{p.config_hash} (predicted {p.predicted:.6f}), this training chooses "
+                f"{ch.config.hash if ch.config else 'FlagGems own choice'} "
+                f"(predicted {ch.predicted:.6f})"
+            )
+    if wrong:
+        raise UsageError(
+            f"the check did not time this model's leave-one-family-out choices ({len(wrong)} of "
+            f"{len(points)} points differ; first: {wrong[0]}): calibrate on a check planned from "
+            "a model trained on the same sweeps, families and feature set"
+        )
+    step = gate.min_speedup
+    pairs = [(p.predicted, p.faster) for p in points]
+    nested = {f: calibration.fit_gated([(p.predicted, p.faster) for p in points
+                                        if p.family != f], step)
+              for f in sorted(models)}  # fmt: skip
+    return calibration.fit_gated(pairs, step), nested
+
+
 def train(
-    keys_docs: Sequence[Mapping[str, Any]], gate: Gate | None = None, version: int = CURRENT
+    keys_docs: Sequence[Mapping[str, Any]],
+    gate: Gate | None = None,
+    version: int = CURRENT,
+    check: Sequence[CheckPoint] | None = None,
 ) -> dict[str, Any]:
     """Every class's leave-one-family-out score, the chosen class's model trained on every
     family with its calibration, and the leave-one-family-out outcomes and calibrations.
 
     ``version`` is the feature set; ``gate`` a fixed gate (default: the default gate for
-    feature set 1, else each class's :func:`select_gate`)."""
+    feature set 1, else each class's :func:`select_gate`).  With ``check`` (the timed points
+    of a held-out check of the chosen class's leave-one-family-out choices), the confidence is
+    calibrated on the check (:func:`check_calibrations`): ``calibration`` and
+    ``check_calibrations`` (per family) are fitted there; the sweep's calibrations still score
+    the classes and choose the gate."""
     keys, rows = key_data(keys_docs, version)
     families = sorted({k.family for k in keys})
     if len(families) < 3:
@@ -341,10 +412,11 @@ def train(
         )
     scores: dict[str, dict[str, float]] = {}
     runs: dict[str, list[Outcome]] = {}
+    fits: dict[str, dict[str, dict[str, Any]]] = {}
     gates: dict[str, Gate] = {}
     steps: dict[str, list[dict[str, float]]] = {}
     for name in CLASSES:
-        _, outs = lofo(name, keys, rows)
+        fits[name], outs = lofo(name, keys, rows)
         runs[name] = outs
         cals = nested_calibrations(outs)
         if gate is None and version >= 2:
@@ -369,6 +441,10 @@ def train(
     if version >= 2:  # what feature set 1's documents do not hold
         out["feature_version"] = version
         out["gate_steps"] = steps
+    if check is not None:
+        out["calibration"], out["check_calibrations"] = check_calibrations(
+            fits[chosen], check, gates[chosen]
+        )
     return out
 
 
@@ -390,7 +466,7 @@ def lofo_plan(
     out: list[dict[str, Any]] = []
     for fam in doc["families"]:
         model = fit(doc["chosen"], [r for r in rows if r.family != fam])
-        cal = doc["lofo_calibrations"][fam]
+        cal = (doc.get("check_calibrations") or doc["lofo_calibrations"])[fam]
         for m in tokens:
             shape = shapes[fam].with_tokens(m)
             for cls in classes or ROUTING_CLASSES:

@@ -1,4 +1,4 @@
-"""The learned performance model as evidence (``model.json``, ``mxdb.perf-model`` 1.1).
+"""The learned performance model as evidence (``model.json``, ``mxdb.perf-model`` 1.2).
 
 :func:`write_model_bundle` (``mxdb model train``) trains the model
 (:func:`mxdb.costmodel.train.train`) on the keys of one or more performance sweeps of one host
@@ -32,6 +32,15 @@ its ``training`` adds ``feature_version`` and ``gate_steps`` (each class's score
 the gate was chosen from).  Documents of 1.0 (feature set 1, the fixed default gate) are read
 and audited as they were trained.
 
+Schema 1.2 adds calibration on a held-out check (``mxdb model train --calibrate-on``): a
+``mxdb.perf-check`` bundle beside this one that timed the leave-one-family-out choices of a
+model trained on the same sweeps (``calibrated_on``: its folder name and the SHA-256 of its
+``check.json``).  ``calibration`` is then fitted on the check's outcomes
+(:func:`mxdb.costmodel.calibration.fit_gated`: it adds the coefficients ``c`` and ``d`` and the
+``step``), and ``training.check_calibrations`` holds, per family, the map fitted on the other
+families' outcomes (what a check of this model states).  Without ``calibrated_on`` a 1.2
+document is calibrated on the sweep, as 1.1.
+
 Training is deterministic (fixed seeds, one thread), so ``mxdb audit`` trains again from the
 same sweeps and compares (:mod:`mxdb.audit.perfmodel`).
 """
@@ -46,6 +55,7 @@ from typing import Any, Literal
 from pydantic import Field
 
 from mxdb.costmodel.features import FEATURE_SETS
+from mxdb.costmodel.train import CheckPoint
 from mxdb.errors import UsageError
 from mxdb.evidence.cells import cell
 from mxdb.evidence.models import _HEX16, _HEX64, _ID, KNOWN_VERSIONS, _Doc, optional_fields
@@ -55,9 +65,12 @@ from mxdb.evidence.sweep import SWEEP_FILE
 MODEL_FILE = "model.json"
 REPORT_FILE = "report/model.md"
 SCHEMA = "mxdb.perf-model"
-SCHEMA_VERSION = "1.1"
+SCHEMA_VERSION = "1.2"
 #: schema version -> the feature set (and gate rule) its models are trained with
-FEATURE_VERSION: dict[str, int] = {"1.0": 1, "1.1": 2}
+FEATURE_VERSION: dict[str, int] = {"1.0": 1, "1.1": 2, "1.2": 2}
+#: the document of a held-out check bundle (:mod:`mxdb.evidence.perfcheck`)
+CHECK_SCHEMA = "mxdb.perf-check"
+CHECK_FILE = "check.json"
 
 # the versions of this document the audit understands
 KNOWN_VERSIONS.setdefault(SCHEMA, tuple(FEATURE_VERSION))
@@ -73,6 +86,13 @@ class SweepRef(_Doc):
 
     bundle: str = Field(pattern=_ID, description="the sweep bundle's folder, beside this bundle")
     sha256: str = Field(pattern=_HEX64, description="SHA-256 of its sweep.json")
+
+
+class CheckRef(_Doc):
+    """The held-out check bundle the confidence was calibrated on."""
+
+    bundle: str = Field(pattern=_ID, description="the check bundle's folder, beside this bundle")
+    sha256: str = Field(pattern=_HEX64, description="SHA-256 of its check.json")
 
 
 class TreeDoc(_Doc):
@@ -95,11 +115,18 @@ class ForestDoc(_Doc):
 
 
 class CalibrationDoc(_Doc):
-    """Platt scaling of the trees' agreement (:mod:`mxdb.costmodel.calibration`)."""
+    """Platt scaling (:mod:`mxdb.costmodel.calibration`): of the trees' agreement (``a``,
+    ``b``), and on a check (1.2) of the log predicted speedup (``c``) and whether it reaches
+    ``step`` (``d``)."""
+
+    model_config = optional_fields("c", "d", "step")  # a sweep's map has none of them
 
     a: float
     b: float
     n: int = Field(ge=0, description="the outcomes it was fitted on")
+    c: float | None = Field(default=None, description="coefficient of log predicted speedup")
+    d: float | None = Field(default=None, description="coefficient of reaching the step")
+    step: float | None = Field(default=None, description="the gate's predicted speedup")
 
 
 class GateDoc(_Doc):
@@ -146,7 +173,7 @@ class GateStep(_Doc):
 class TrainingDoc(_Doc):
     """Everything training returns besides the model, its calibration and gate."""
 
-    model_config = optional_fields("feature_version", "gate_steps")  # 1.0 has neither
+    model_config = optional_fields("feature_version", "gate_steps", "check_calibrations")
 
     classes: dict[str, ClassScore]
     chosen: str
@@ -160,16 +187,25 @@ class TrainingDoc(_Doc):
     gate_steps: dict[str, list[GateStep]] | None = Field(
         default=None, description="1.1: each class's score at every gate step it chose from"
     )
+    check_calibrations: dict[str, CalibrationDoc] | None = Field(
+        default=None, description="1.2: per family, the map fitted on the check's other families"
+    )
 
 
 class PerfModelDoc(_Doc):
     """``model.json``: a learned performance model (module docstring)."""
 
+    model_config = optional_fields("calibrated_on")  # 1.0 and 1.1 have none
+
     schema_name: Literal["mxdb.perf-model"] = Field(default="mxdb.perf-model", alias="schema")
-    schema_version: Literal["1.0", "1.1"] = "1.1"
+    schema_version: Literal["1.0", "1.1", "1.2"] = "1.2"
     milestone: str
     fingerprint_hash: str = Field(pattern=_HEX16)
     sweeps: list[SweepRef] = Field(min_length=1)
+    calibrated_on: CheckRef | None = Field(
+        default=None,
+        description="1.2: the check the confidence was calibrated on (None: the sweep)",
+    )
     excluded: list[str] = Field(description="preset names of the families left out")
     shape_families: list[str]
     feature_names: list[str]
@@ -178,6 +214,11 @@ class PerfModelDoc(_Doc):
     gate: GateDoc
     training: TrainingDoc
     trained_with: dict[str, str] = Field(description="library versions that trained the model")
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """As written to disk: an optional field a document does not hold stays absent
+        (a sweep's calibration has no ``c``; 1.1 has no ``calibrated_on``)."""
+        return self.model_dump(mode="json", by_alias=True, exclude_unset=True)
 
 
 #: train()'s keys that are fields of their own (the rest is ``training``)
@@ -222,21 +263,48 @@ def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _load_sweep(path: Path) -> tuple[bytes, dict[str, Any]]:
+def _load_bundle_doc(path: Path, file: str, schema: str, what: str) -> tuple[bytes, dict[str, Any]]:
+    """The bytes and document of ``path/file``, a ``schema`` document (``what``: a sweep or
+    a check, and the script that writes it)."""
     from mxdb.fileio import MAX_DOCUMENT_BYTES, parse_json, read_bytes
 
-    f = path / SWEEP_FILE
+    f = path / file
     if not f.is_file():
-        raise UsageError(
-            f"{path} is not a performance sweep bundle: it has no {SWEEP_FILE} (write one with "
-            "benchmarks/perf_sweep.py publish)"
-        )
-    data = read_bytes(f, limit=MAX_DOCUMENT_BYTES, what="sweep", error=UsageError)
+        raise UsageError(f"{path} is not a {what} bundle: it has no {file}")
+    data = read_bytes(f, limit=MAX_DOCUMENT_BYTES, what=file, error=UsageError)
     doc = parse_json(data, what=str(f), error=UsageError)
-    if not isinstance(doc, dict) or doc.get("schema") != SWEEP_SCHEMA:
+    if not isinstance(doc, dict) or doc.get("schema") != schema:
         found = doc.get("schema") if isinstance(doc, dict) else type(doc).__name__
-        raise UsageError(f"{f} is not a performance sweep: schema {found!r}, not {SWEEP_SCHEMA!r}")
+        raise UsageError(f"{f} is not a {what}: schema {found!r}, not {schema!r}")
     return data, doc
+
+
+def _load_sweep(path: Path) -> tuple[bytes, dict[str, Any]]:
+    return _load_bundle_doc(
+        path, SWEEP_FILE, SWEEP_SCHEMA, "performance sweep (benchmarks/perf_sweep.py publish)"
+    )
+
+
+def check_points(doc: Mapping[str, Any]) -> list[CheckPoint]:
+    """The timed choices of a held-out check document (every point whose candidate ran and
+    was timed against FlagGems' choice: the points its calibration error is taken over)."""
+    from mxdb.configs import KernelConfig
+    from mxdb.costmodel.train import CheckPoint
+    from mxdb.shapes import MoEShape
+
+    out = []
+    for p in doc["points"]:
+        e = p["plan_entry"]
+        if p["candidate_speedup"] is None or e["config"] is None or e["confidence"] is None:
+            continue
+        out.append(CheckPoint(
+            family=str(p["family"]), shape=MoEShape.from_dict(dict(p["shape"])),
+            routing_class=str(p["routing_class"]),
+            config_hash=KernelConfig.model_validate(e["config"]).hash,
+            predicted=float(e["predicted"]), agreement=float(e["agreement"]),
+            faster=p["outcome"] == "faster",
+        ))  # fmt: skip
+    return out
 
 
 def build_model(
@@ -264,10 +332,17 @@ def build_model(
     }
 
 
-def write_model_bundle(sweeps: Sequence[Path], out: Path, *, exclude: Sequence[str] = ()) -> Path:
+def write_model_bundle(
+    sweeps: Sequence[Path],
+    out: Path,
+    *,
+    exclude: Sequence[str] = (),
+    calibrate_on: Path | None = None,
+) -> Path:
     """Train the model on the sweep bundles ``sweeps`` (less the families ``exclude`` names)
     and write its bundle to ``out``, which must lie in the same folder as the sweeps (the
-    audit finds them there); returns ``out``."""
+    audit finds them there); returns ``out``.  ``calibrate_on``: a check bundle, in the same
+    folder, of a model trained on the same sweeps (module docstring)."""
     from mxdb.costmodel.model import PerfModel
     from mxdb.costmodel.train import train
     from mxdb.evidence.writer import publish_bundle
@@ -282,11 +357,12 @@ def write_model_bundle(sweeps: Sequence[Path], out: Path, *, exclude: Sequence[s
     if len(set(names)) != len(names):
         raise UsageError(f"a sweep bundle is named twice: {', '.join(names)}")
     home = out.resolve().parent
-    away = [str(p) for p in paths if p.resolve().parent != home]
+    away = [str(p) for p in [*paths, *([calibrate_on] if calibrate_on else [])]
+            if Path(p).resolve().parent != home]  # fmt: skip
     if away:
         raise UsageError(
-            f"the sweep bundles must lie in the model bundle's folder {home} (the audit finds "
-            f"them beside it by name); not there: {', '.join(away)}"
+            f"the sweep and check bundles must lie in the model bundle's folder {home} (the "
+            f"audit finds them beside it by name); not there: {', '.join(away)}"
         )
     loaded = [_load_sweep(p) for p in paths]
     fps = sorted({str(d.get("fingerprint_hash")) for _, d in loaded})
@@ -310,15 +386,20 @@ def write_model_bundle(sweeps: Sequence[Path], out: Path, *, exclude: Sequence[s
             f"{', '.join(sorted(present))}"
         )
     keys = training_keys([d for _, d in loaded], excluded)
-    result = train(keys, version=FEATURE_VERSION[SCHEMA_VERSION])
     refs = [
         {"bundle": n, "sha256": sha256_hex(data)}
         for n, (data, _) in zip(names, loaded, strict=True)
     ]
+    check, check_ref = None, None
+    if calibrate_on is not None:
+        check, check_ref = _calibration_check(Path(calibrate_on), refs, fps[0])
+    result = train(keys, version=FEATURE_VERSION[SCHEMA_VERSION], check=check)
     doc = build_model(
         refs, result, keys, milestone=out.name, fingerprint_hash=fps[0], excluded=excluded,
         libraries=trained_with(),
     )  # fmt: skip
+    if check_ref is not None:
+        doc["calibrated_on"] = check_ref
     doc = PerfModelDoc.model_validate(doc).to_json_dict()
     PerfModel.from_doc(doc, MODEL_FILE)  # what answering loads
     return publish_bundle(
@@ -329,11 +410,40 @@ def write_model_bundle(sweeps: Sequence[Path], out: Path, *, exclude: Sequence[s
     )
 
 
+def check_mismatch(
+    doc: Mapping[str, Any], sweeps: Sequence[Mapping[str, Any]], fingerprint_hash: str
+) -> str | None:
+    """Why a check document cannot calibrate a model of these sweeps and host (None: it can)."""
+    if doc.get("fingerprint_hash") != fingerprint_hash:
+        return (
+            f"it was measured in environment {doc.get('fingerprint_hash')}, the sweeps in "
+            f"{fingerprint_hash}"
+        )
+    ref = doc.get("sweep") or {}
+    if ref.get("sha256") not in {s["sha256"] for s in sweeps}:
+        return (
+            f"its plan comes from a model of sweep {ref.get('bundle')} "
+            f"({str(ref.get('sha256'))[:12]}), not of the sweeps trained on"
+        )
+    return None
+
+
+def _calibration_check(
+    path: Path, sweeps: Sequence[Mapping[str, Any]], fingerprint_hash: str
+) -> tuple[list[CheckPoint], dict[str, str]]:
+    data, doc = _load_bundle_doc(
+        path, CHECK_FILE, CHECK_SCHEMA, "held-out check (benchmarks/perf_check.py publish)"
+    )
+    why = check_mismatch(doc, sweeps, fingerprint_hash)
+    if why is not None:
+        raise UsageError(f"cannot calibrate on {path}: {why}")
+    return check_points(doc), {"bundle": path.resolve().name, "sha256": sha256_hex(data)}
+
+
 def render(doc: Mapping[str, Any]) -> str:
     """``report/model.md``: a view of ``model.json`` (the audit checks the JSON)."""
     t = doc["training"]
     g = doc["gate"]
-    cal = doc["calibration"]
     m = doc["model"]
     excluded = ", ".join(doc["excluded"]) or "none"
     lines = [
@@ -371,14 +481,34 @@ def render(doc: Mapping[str, Any]) -> str:
         "",
         *_gate_lines(t),
         f"Chosen class: {t['chosen']}, trained again on every family: {len(m['trees'])} trees, "
-        f"{nodes} nodes, {m['n_features']} features. Confidence: P(faster) = 1 / (1 + "
-        f"exp(-({cal['a']:.4f} x agreement {'-' if cal['b'] < 0 else '+'} {abs(cal['b']):.4f}"
-        f"))), where agreement is the share of trees predicting the choice faster by the "
-        f"margin; fitted on {cal['n']} leave-one-family-out choices.",
+        f"{nodes} nodes, {m['n_features']} features. {_confidence_line(doc)}",
         "",
         "Shape families the model was trained on: " + ", ".join(doc["shape_families"]) + ".",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _sign(x: float) -> str:
+    return f"{'-' if x < 0 else '+'} {abs(x):.4f}"
+
+
+def _confidence_line(doc: Mapping[str, Any]) -> str:
+    """How the stated confidence is computed, and from what it was fitted."""
+    cal = doc["calibration"]
+    check = doc.get("calibrated_on")
+    if check is None:
+        return (
+            f"Confidence: P(faster) = 1 / (1 + exp(-({cal['a']:.4f} x agreement "
+            f"{_sign(cal['b'])}))), where agreement is the share of trees predicting the choice "
+            f"faster by the margin; fitted on {cal['n']} leave-one-family-out choices."
+        )
+    return (
+        f"Confidence: P(faster) = 1 / (1 + exp(-({cal['c']:.4f} x log(predicted) "
+        f"{_sign(cal['d'])} x [predicted >= {cal['step']:g}] {_sign(cal['b'])}))), fitted on the "
+        f"{cal['n']} timed leave-one-family-out choices of the held-out check {check['bundle']} "
+        f"({check['sha256'][:12]}); a family's confidence in a check of this model comes from "
+        "the map fitted on the other families' choices (training.check_calibrations)."
+    )
 
 
 def _gate_lines(t: Mapping[str, Any]) -> list[str]:
