@@ -416,7 +416,8 @@ def train(
     gates: dict[str, Gate] = {}
     steps: dict[str, list[dict[str, float]]] = {}
     for name in CLASSES:
-        fits[name], outs = lofo(name, keys, rows)
+        models, outs = lofo(name, keys, rows)
+        fits[name] = models if check is not None else {}  # a forest per family: kept if needed
         runs[name] = outs
         cals = nested_calibrations(outs)
         if gate is None and version >= 2:
