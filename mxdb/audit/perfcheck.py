@@ -40,7 +40,6 @@ from __future__ import annotations
 import importlib.util
 import json
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -48,8 +47,8 @@ import numpy as np
 from mxdb.audit.claims import ClaimKind, Context, Path_, Unit, check_samples
 from mxdb.audit.compare import same
 from mxdb.audit.findings import FindingSink
+from mxdb.audit.siblings import sibling_bytes
 from mxdb.configs import KernelConfig, config_hash
-from mxdb.evidence.files import sha256_hex
 from mxdb.evidence.perfcheck import (
     CHECK_FILE,
     COPY_ROLES,
@@ -67,7 +66,7 @@ from mxdb.evidence.perfcheck import (
     point_figures,
     render,
 )
-from mxdb.fileio import MAX_DOCUMENT_BYTES, parse_json, read_bytes
+from mxdb.fileio import parse_json
 
 _POINT_CODES: dict[str, str] = {
     "candidate_speedup": "speedup_mismatch",
@@ -287,29 +286,10 @@ def _sibling(
     (with a finding) when it is absent, unreadable, another file or another document."""
     ref = doc[key]
     where = f"{key}.bundle"
-    root = getattr(sink, "root", None)
-    if root is None:
-        sink.add("perfcheck.bundle_missing", rel, where, "the folder of the bundle under audit",
-                 "unknown", "the sibling bundles cannot be located")  # fmt: skip
+    data = sibling_bytes(sink, rel, key, ref, file, code="perfcheck.bundle")
+    if data is None:
         return None
-    folder = Path(root).absolute().parent / str(ref["bundle"])
-    path = folder / file
-    if folder.is_symlink() or path.is_symlink():
-        sink.add("perfcheck.bundle_missing", rel, where, f"{ref['bundle']}/{file}, a regular "
-                 "file", "a symbolic link", "links are never followed")  # fmt: skip
-        return None
-    try:
-        data = read_bytes(path, limit=MAX_DOCUMENT_BYTES, what=f"{key} document")
-    except Exception as exc:  # missing, unreadable, too large: named in the finding
-        sink.add("perfcheck.bundle_missing", rel, where,
-                 f"{ref['bundle']}/{file} beside this bundle", str(exc)[:160],
-                 f"the {key} bundle the check names is not beside it")  # fmt: skip
-        return None
-    sha = sha256_hex(data)
-    if sha != ref["sha256"]:
-        sink.add("perfcheck.bundle_mismatch", rel, f"{key}.sha256", sha, ref["sha256"],
-                 f"{ref['bundle']}/{file} is not the document the check used")  # fmt: skip
-        return None
+    sha = str(ref["sha256"])  # what its bytes hash to
     try:
         parsed = parse_json(data, what=f"{ref['bundle']}/{file}")
     except Exception as exc:

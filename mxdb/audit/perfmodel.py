@@ -48,12 +48,12 @@ import copy
 import importlib.util
 import json
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from mxdb.audit.claims import ClaimKind, Context, Path_, dotted
 from mxdb.audit.compare import same
 from mxdb.audit.findings import FindingSink
+from mxdb.audit.siblings import sibling_bytes
 from mxdb.costmodel.features import FEATURE_SETS
 from mxdb.costmodel.train import CheckPoint
 from mxdb.evidence.perfmodel import (
@@ -65,7 +65,6 @@ from mxdb.evidence.perfmodel import (
     check_points,
     feature_version,
     render,
-    sha256_hex,
     shape_families,
     split_training,
     trained_with,
@@ -120,55 +119,6 @@ def _code(path: Path_) -> str:
     return "training_mismatch" if head == ("training",) else "field_mismatch"
 
 
-def _bundle_root(sink: FindingSink) -> Path | None:
-    """The folder of the bundle under audit (the bundle auditor's ``root``)."""
-    root = getattr(sink, "root", None)
-    return Path(root) if root is not None else None
-
-
-def _sibling(
-    sink: FindingSink, rel: str, where: str, ref: Mapping[str, Any], file: str, what: str
-) -> bytes | None:
-    """The bytes of ``file`` of the sibling bundle ``ref`` names (its folder beside the bundle
-    under audit, hashing to its ``sha256``), or None after a finding (``what``: ``sweep`` or
-    ``check``)."""
-    from mxdb.fileio import MAX_DOCUMENT_BYTES
-
-    root = _bundle_root(sink)
-    if root is None:
-        sink.add(f"perfmodel.{what}_missing", rel, where, "the bundle's folder",
-                 "unknown", "the audit does not know where this bundle lies")  # fmt: skip
-        return None
-    home = root.resolve().parent
-    name = str(ref["bundle"])
-    folder = home / name
-    f = folder / file
-    if "/" in name or name in (".", "..") or folder.is_symlink() or f.is_symlink():
-        sink.add(f"perfmodel.{what}_missing", rel, f"{where}.bundle",
-                 f"a {what} bundle folder beside this bundle", name,
-                 "not a plain folder name, or a symbolic link (never followed)")  # fmt: skip
-        return None
-    if not f.is_file():
-        sink.add(f"perfmodel.{what}_missing", rel, f"{where}.bundle",
-                 f"{name}/{file} beside this bundle", "no such file",
-                 f"the {what} bundle the model names is not in {home}")  # fmt: skip
-        return None
-    try:
-        if f.stat().st_size > MAX_DOCUMENT_BYTES:
-            raise OSError(f"larger than {MAX_DOCUMENT_BYTES:,} bytes")
-        data = f.read_bytes()
-    except OSError as exc:
-        sink.add(f"perfmodel.{what}_missing", rel, f"{where}.bundle", f"a readable {file}",
-                 str(exc)[:160], f"the {what} cannot be read")  # fmt: skip
-        return None
-    h = sha256_hex(data)
-    if h != ref["sha256"]:
-        sink.add(f"perfmodel.{what}_mismatch", rel, f"{where}.sha256", h, ref["sha256"],
-                 f"{name}/{file} is not the {what} the model names")  # fmt: skip
-        return None
-    return data
-
-
 def _sweeps_ok(sink: FindingSink, rel: str, doc: Mapping[str, Any]) -> bool:
     while len(_KEYS) >= 8:  # a bound on what stays parsed between audits: the oldest goes
         _KEYS.pop(next(iter(_KEYS)))
@@ -182,11 +132,11 @@ def _sweeps_ok(sink: FindingSink, rel: str, doc: Mapping[str, Any]) -> bool:
                      name, "a sweep bundle is named twice")  # fmt: skip
             ok = False
             continue
-        data = _sibling(sink, rel, where, ref, SWEEP_FILE, "sweep")
+        data = sibling_bytes(sink, rel, where, ref, SWEEP_FILE, code="perfmodel.sweep")
         if data is None:
             ok = False
             continue
-        h = sha256_hex(data)
+        h = str(ref["sha256"])  # what its bytes hash to
         sweep = _parsed(h, data, f"{name}/{SWEEP_FILE}")
         if sweep.get("schema") != SWEEP_SCHEMA:
             sink.add("perfmodel.sweep_mismatch", rel, f"{where}.bundle", SWEEP_SCHEMA,
@@ -210,10 +160,10 @@ def _check_ok(sink: FindingSink, rel: str, doc: Mapping[str, Any]) -> bool:
     ref = doc.get("calibrated_on")
     if ref is None:
         return True
-    data = _sibling(sink, rel, "calibrated_on", ref, CHECK_FILE, "check")
+    data = sibling_bytes(sink, rel, "calibrated_on", ref, CHECK_FILE, code="perfmodel.check")
     if data is None:
         return False
-    h = sha256_hex(data)
+    h = str(ref["sha256"])  # what its bytes hash to
     try:
         chk = parse_json(data, what=f"{ref['bundle']}/{CHECK_FILE}")
         if not isinstance(chk, dict) or chk.get("schema") != CHECK_SCHEMA:

@@ -322,13 +322,15 @@ def point_figures(
     }
 
 
+def timed_choices(points: Iterable[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The points that timed a candidate with a stated confidence: what the calibration error
+    is taken over, and what a model calibrated on the check is fitted on."""
+    return [p for p in points if p["candidate_speedup"] is not None and p["confidence"] is not None]
+
+
 def calibration_pairs(points: Iterable[Mapping[str, Any]]) -> list[tuple[float, bool]]:
     """(stated confidence, outcome is ``faster``) of every point that timed a candidate."""
-    return [
-        (float(p["confidence"]), p["outcome"] == "faster")
-        for p in points
-        if p["candidate_speedup"] is not None and p["confidence"] is not None
-    ]
+    return [(float(p["confidence"]), p["outcome"] == "faster") for p in timed_choices(points)]
 
 
 def _mean(xs: Sequence[float]) -> float | None:

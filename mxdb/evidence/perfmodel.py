@@ -47,7 +47,6 @@ same sweeps and compares (:mod:`mxdb.audit.perfmodel`).
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -58,6 +57,7 @@ from mxdb.costmodel.features import FEATURE_SETS
 from mxdb.costmodel.train import CheckPoint
 from mxdb.errors import UsageError
 from mxdb.evidence.cells import cell
+from mxdb.evidence.files import sha256_hex
 from mxdb.evidence.models import _HEX16, _HEX64, _ID, KNOWN_VERSIONS, _Doc, optional_fields
 from mxdb.evidence.sweep import SCHEMA as SWEEP_SCHEMA
 from mxdb.evidence.sweep import SWEEP_FILE
@@ -259,10 +259,6 @@ def trained_with() -> dict[str, str]:
     return {"numpy": str(numpy.__version__), "scikit-learn": str(sklearn.__version__)}
 
 
-def sha256_hex(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
 def _load_bundle_doc(path: Path, file: str, schema: str, what: str) -> tuple[bytes, dict[str, Any]]:
     """The bytes and document of ``path/file``, a ``schema`` document (``what``: a sweep or
     a check, and the script that writes it)."""
@@ -290,13 +286,12 @@ def check_points(doc: Mapping[str, Any]) -> list[CheckPoint]:
     was timed against FlagGems' choice: the points its calibration error is taken over)."""
     from mxdb.configs import KernelConfig
     from mxdb.costmodel.train import CheckPoint
+    from mxdb.evidence.perfcheck import timed_choices
     from mxdb.shapes import MoEShape
 
     out = []
-    for p in doc["points"]:
+    for p in timed_choices(doc["points"]):
         e = p["plan_entry"]
-        if p["candidate_speedup"] is None or e["config"] is None or e["confidence"] is None:
-            continue
         out.append(CheckPoint(
             family=str(p["family"]), shape=MoEShape.from_dict(dict(p["shape"])),
             routing_class=str(p["routing_class"]),
