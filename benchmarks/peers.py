@@ -1,15 +1,17 @@
 """Side by side on one GPU: FlagGems' config, vLLM's H200 table and mxdb's dispatch.
 
 Usage (GPU host):  python benchmarks/peers.py run OUT.json --store-export EXPORT.json
-                   [--workload examples/workloads/h200-peers.yaml] [--vllm-dir DIR]
-                   [--deadline-s S] [--heldout [--instances K]]
+                   [--workload examples/workloads/h200-peers.yaml]
+                   [--deadline-s S] [--heldout [--instances K] [--salt S]
+                   [--data-use test|development]]
 Usage (anywhere):  python benchmarks/peers.py publish OUT.json evidence/h200-peers
 
 ``run``: for Mixtral-8x7B and Qwen3-30B-A3B (bf16), M in 1..4096 and uniform / Zipf / hot-expert
 routing, times per point, interleaved in one process (A B C ... A B C ...):
 
 (a) FlagGems 5.0.2's own config (``try_get_optimal_moe_config``);
-(b) vLLM 0.33.0's shipped H200 table through the same kernel (nearest M, same config both GEMMs);
+(b) the incumbent: the row of vLLM 0.33.0's table for this device (``mxdb.incumbent``, shipped
+    with mxdb), through the same kernel (nearest M, same config both GEMMs);
 (c) the config mxdb dispatches from the tuned store (imported into a temporary store; the
     dispatcher uses the export's recorded fingerprint), for the point's routing class;
 (d) mxdb's routing-oblivious choice (what it dispatches for uniform routing), when it differs;
@@ -25,7 +27,8 @@ Routing: with ``--workload`` (the tuning workload of the store, e.g.
 it was tuned, so the class it dispatches with is the class the point was tuned under; without
 it, the point's routing is generated here (seed = M).  With ``--heldout`` a point is a routing
 distribution judged on K held-out instances (``--instances``, default 3): instance ``i`` is
-drawn by ``mxdb.routing_gen`` kind ``logits`` with seed ``heldout_seed(preset, M, kind, i)``
+drawn by ``mxdb.routing_gen`` kind ``logits`` with seed ``heldout_seed(preset, M, kind, i, salt)``
+(the salt drawn fresh for each run unless ``--salt`` names one, and recorded)
 (instance 0's seed is the one of the single-instance runs), classified and dispatched on its
 own (class, reasons and configs recorded per instance), and timed in its own interleaved
 rounds of random order (order seed = its seed; ``instance_reps`` rounds: about 1.6x one
@@ -60,17 +63,21 @@ ROUTINGS = {"uniform": {}, "zipf": {"s": 1.2}, "hot": {"fraction": 0.5, "hot_exp
 HELDOUT = {"uniform": {}, "zipf": {"s": 1.2}, "hot": {"hot_bias": 1.5, "hot_expert": 0}}
 
 
-def heldout_seed(preset: str, tokens: int, kind: str, instance: int = 0) -> int:
+def heldout_seed(preset: str, tokens: int, kind: str, instance: int = 0, salt: str = "") -> int:
     """The seed of held-out instance ``instance`` of one point, unrelated to the workload's.
 
     Instance 0's seed is the seed of the single-instance runs (schema 1.1): the index enters
     the hashed text only from instance 1 on, so instance 0 of a new run is the old instance.
+    A ``salt`` (``--salt``; by default drawn fresh for each run and recorded) gives a new set
+    of instances: test data drawn once, for one check.
     """
     import hashlib
 
     text = f"peers-heldout|{preset}|{tokens}|{kind}"
     if instance:
         text += f"|{instance}"
+    if salt:
+        text += f"|salt={salt}"
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "big")
 
 
@@ -102,13 +109,15 @@ def atomic_json(path: Path, doc: Any) -> None:
     atomic_write_text(path, json.dumps(doc))
 
 
-def vllm_config(table: dict[str, Any], tokens: int) -> Any:
-    from mxdb.configs import GemmConfig, KernelConfig
+def incumbent_config(device_name: str, shape: Any) -> Any:
+    """(b): the incumbent, what the user runs today on this device (``mxdb.incumbent``: the
+    row of vLLM 0.33.0's table for the device at the nearest M, both GEMMs)."""
+    from mxdb.incumbent import incumbent
 
-    keys = sorted(int(k) for k in table if k.isdigit())
-    near = min(keys, key=lambda k: (abs(k - tokens), k))
-    raw = {k: v for k, v in table[str(near)].items() if k != "SWAP_AB"}
-    return KernelConfig.uniform(GemmConfig.from_triton(raw))
+    inc = incumbent(shape, device_name)
+    if not inc.is_table_row:
+        raise SystemExit(f"no vLLM table for {device_name} and {shape.family}: no incumbent row")
+    return inc.config
 
 
 def median_time_sample(samples: list[float]) -> float:
@@ -152,11 +161,11 @@ def dispatch_cost(dispatcher: Any, shape: Any) -> dict[str, float]:
 
 
 def dispatch_info(
-    dispatcher: Any, shape: Any, ids: Any, table: dict[str, Any], seed: int
+    dispatcher: Any, shape: Any, ids: Any, device_name: str, seed: int
 ) -> dict[str, Any]:
     """One routing instance's class and the configs each arm runs for it: (a) FlagGems',
-    (b) vLLM's row, and, with a dispatcher, (c) its answer for the instance's class and (d)
-    its routing-oblivious answer (FlagGems' config where it falls back)."""
+    (b) the incumbent (vLLM's row), and, with a dispatcher, (c) its answer for the instance's
+    class and (d) its routing-oblivious answer (FlagGems' config where it falls back)."""
     from mxdb.kernels.layer import flaggems_kernel_config
 
     from mxdb.routing import classify, features
@@ -164,7 +173,7 @@ def dispatch_info(
     rclass = classify(features(ids, shape.experts))
     cfgs: dict[str, Any] = {
         "a": flaggems_kernel_config(shape),
-        "b": vllm_config(table, shape.tokens),
+        "b": incumbent_config(device_name, shape),
     }
     reasons = {}
     answered: dict[str, Any] = {}
@@ -241,6 +250,8 @@ def run(a: argparse.Namespace) -> None:
     backend = GpuBackend()
     doc: dict[str, Any] = {
         "fingerprint": backend.fingerprint().components(),
+        "seed_salt": a.salt if a.heldout else None,
+        "data_use": a.data_use if a.heldout else None,
         "points": [],
         "errors": [],
     }
@@ -253,7 +264,8 @@ def run(a: argparse.Namespace) -> None:
         doc["trace_source"] = (
             "held-out: mxdb.routing_gen kind logits (top-k of N(0,1) router logits plus a "
             "Zipf(1.2) bias for zipf, +1.5 on expert 0 for hot), seeds from "
-            f"benchmarks/peers.py heldout_seed(preset, M, kind, i) for {a.instances} "
+            f"benchmarks/peers.py heldout_seed(preset, M, kind, i, salt={a.salt!r}) for "
+            f"{a.instances} "
             "instances i per point, each timed in its own rounds and pooled by the verdict; "
             "the tuner never draws from this generator"
         )
@@ -275,8 +287,8 @@ def run(a: argparse.Namespace) -> None:
         doc["errors"].append(f"store export {a.store_export} not found: (c) is FlagGems' choice")
     out = Path(a.out)
     atomic_json(out, doc)
-    for preset, tag in FAMILIES.items():
-        table = json.loads((Path(a.vllm_dir) / f"{tag},device_name=NVIDIA_H200.json").read_text())
+    for preset in FAMILIES:
+        device_name = str(backend.fingerprint().device_name)
         fam = preset_shape(preset, 1, "bf16")
         w1, w2 = make_weights(fam, 0, "cuda")
         if dispatcher is not None:
@@ -293,7 +305,7 @@ def run(a: argparse.Namespace) -> None:
                 point_cfgs: dict[str, Any] = {}
                 for i in range(a.instances if a.heldout else 1):
                     if a.heldout:
-                        seed = heldout_seed(preset, m, kind, i)
+                        seed = heldout_seed(preset, m, kind, i, a.salt)
                         ids = generate(
                             "logits", m, fam.experts, fam.topk, seed=seed, **HELDOUT[kind]
                         )
@@ -301,7 +313,7 @@ def run(a: argparse.Namespace) -> None:
                         ids, seed = traces[(preset, m, kind)]
                     else:
                         ids, seed = generate(kind, m, fam.experts, fam.topk, seed=m, **params), m
-                    info = dispatch_info(dispatcher, shape, ids, table, seed)
+                    info = dispatch_info(dispatcher, shape, ids, device_name, seed)
                     drawn.append((ids, info))
                     point_cfgs.update({c.hash: c for c in info["cfgs"].values()})
                 for c in point_cfgs.values():
@@ -557,6 +569,8 @@ def publish(raw_path: Path, bundle: Path) -> None:
         routing_source=raw.get("trace_source") if raw.get("rule") else None,
         trace_classes=classes or None,
         read_bandwidth_bytes_per_s=raw.get("read_bandwidth_bytes_per_s"),
+        seed_salt=raw.get("seed_salt"),
+        data_use=raw.get("data_use"),
     )
     doc = to_json(doc)
     atomic_write(tmp / PEERS_FILE, dumps(doc))
@@ -597,7 +611,19 @@ def main() -> None:
     r = sub.add_parser("run")
     r.add_argument("out")
     r.add_argument("--store-export", default="evidence/store-export.json")
-    r.add_argument("--vllm-dir", default=".dev/carry/vllm")
+    r.add_argument(
+        "--salt",
+        default=None,
+        help="with --heldout: the salt of the held-out seeds (default: drawn fresh for this "
+        "run, recorded in peers.json; a salt used once is test data)",
+    )
+    r.add_argument(
+        "--data-use",
+        choices=("test", "development"),
+        default="test",
+        help="with --heldout: 'development' when this run's results are to guide a change "
+        "(recorded in peers.json; the README quotes test runs)",
+    )
     r.add_argument(
         "--workload",
         default=None,
@@ -626,6 +652,10 @@ def main() -> None:
     if a.cmd == "run" and a.instances < 1:
         ap.error("--instances must be at least 1")
     if a.cmd == "run":
+        if a.salt is None:
+            import secrets
+
+            a.salt = secrets.token_hex(8)
         run(a)
     else:
         publish(a.raw, a.bundle)

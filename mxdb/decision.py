@@ -5,7 +5,10 @@ path).  ``config`` is ``None`` for a fallback: the caller then uses FlagGems'
 own choice.  Levels, from the most to the least measured: ``exact`` and
 ``neighbour`` (a stored entry answered), ``predicted`` (the learned performance
 model answered a shape family the store has not measured here; ``entry_id`` is
-None) and ``fallback``.
+None), ``incumbent`` (nothing measured answers: the row of the table the user's
+engine runs today, see :mod:`mxdb.incumbent`; ``reason`` says why nothing measured
+answered and ``source`` names the table and row) and ``fallback`` (no table either:
+FlagGems' default).
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from mxdb.ops import config_to_json
 EXACT = "exact"
 NEIGHBOUR = "neighbour"
 PREDICTED = "predicted"
+INCUMBENT = "incumbent"
 FALLBACK = "fallback"
-LEVELS = (EXACT, NEIGHBOUR, PREDICTED, FALLBACK)
+LEVELS = (EXACT, NEIGHBOUR, PREDICTED, INCUMBENT, FALLBACK)
 
 #: Machine-readable reasons.
 REASONS: dict[str, str] = {
@@ -50,6 +54,9 @@ REASONS: dict[str, str] = {
     "prediction_not_confident": "the store has not measured this shape family here and the "
     "performance model's gate refused its choice (confidence or predicted speedup below the "
     "gate, or nothing predicted faster than FlagGems' own choice)",
+    "prediction_not_over_incumbent": "the store has not measured this shape family here and "
+    "the performance model's choice is not predicted at least the gate's speedup over the "
+    "incumbent (the vLLM table row for this device, which answers instead)",
     "model_error": "the store has not measured this shape family here and the performance model "
     "failed while answering: not answered",
     "healing_fallback": "self-healing moved this key to FlagGems' own choice: every config the "
@@ -69,10 +76,14 @@ class Decision:
     entry_id: int | None = None
     tokens: int | None = None
     routing_class: str | None = None
+    #: level ``incumbent``: the table and row answered (``Incumbent.describe``)
+    source: str | None = None
 
     @property
     def is_fallback(self) -> bool:
-        return self.config is None
+        """Whether nothing mxdb measured or predicted answered: the incumbent's table row
+        (level ``incumbent``) or FlagGems' default (level ``fallback``, no config)."""
+        return self.level in (INCUMBENT, FALLBACK)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -90,6 +101,7 @@ class Decision:
             "entry_id": self.entry_id,
             "entry_tokens": self.tokens,
             "entry_routing_class": self.routing_class,
+            "source": self.source,
         }
 
 

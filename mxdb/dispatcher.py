@@ -16,7 +16,7 @@ of the call's, and its routing class is the same or adjacent.  A ``baseline``
 entry (the tuner measured that key and nothing beat FlagGems' own choice) takes
 part in that choice like a verified one, and outranks verified entries of the
 same key (traces of one routing class that disagree); when it is the closest,
-the answer is the fallback (FlagGems' choice) with reason ``baseline_measured``.  A
+the answer is what nothing measured answers (below) with reason ``baseline_measured``.  A
 ``parity`` entry (a peer's table row, or the search's choice, at parity with FlagGems' choice on
 every routing instance measured, and faster pooled over them) answers its own key only, with
 reason ``parity``;
@@ -32,7 +32,14 @@ the current one under the same policy.  The model's answer, when its gate admits
 choice is the fallback ``prediction_not_confident`` and a model that fails while answering the
 fallback ``model_error`` (never an exception).  The model is asked once per key: its decision is
 cached like every other one, and kept across store refreshes (a model's answer depends on the
-key alone).
+key alone).  The model's choice answers only where it is also predicted at least the gate's
+speedup over the incumbent's table row (else ``prediction_not_over_incumbent``).
+
+What neither the store nor the model answers is answered by the incumbent (:mod:`mxdb.incumbent`):
+the row of vLLM's table for this device and shape (imported into the store, else shipped with
+mxdb), at level ``incumbent`` with the reason the store gave and ``source`` naming the table
+and row; only where no table covers the device and shape is the answer the fallback (no
+config: FlagGems' default).  ``DispatchOptions(incumbent=False)`` answers the fallback instead.
 """
 
 from __future__ import annotations
@@ -50,7 +57,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mxdb.decision import EXACT, NEIGHBOUR, PREDICTED, Decision, fallback
+from mxdb.decision import EXACT, INCUMBENT, NEIGHBOUR, PREDICTED, Decision, fallback
 from mxdb.errors import MxdbError, UsageError
 from mxdb.models import ADJACENT_CLASSES, DECIDED_STATUSES, ROUTING_CLASSES, Fingerprint
 from mxdb.ops import parse_config
@@ -87,6 +94,9 @@ class DispatchOptions:
     refresh_interval: float = 1.0
     default_routing_class: str = "uniform"
     model: str | os.PathLike[str] | PerfModel | None = field(default=None, hash=False, repr=False)
+    #: answer what nothing measured answers with the incumbent's table row (level
+    #: ``incumbent``); False: with FlagGems' default (a fallback), as before the incumbent
+    incumbent: bool = True
 
     def __post_init__(self) -> None:
         if self.model is not None:
@@ -208,6 +218,8 @@ class Dispatcher:
         #: kept across refreshes and invalidations (its answer depends on the key alone)
         self._model = self.options.perf_model
         self._predictions: dict[tuple[Any, str], Decision] = {}
+        #: (dtype, device name) -> the vLLM tables imported into the store for it
+        self._imported: dict[tuple[str, str | None], Any] = {}
         #: the components of the model's fingerprint, from its bundle's fingerprint.json
         self._model_fp: Fingerprint | None = _UNREAD
         self._generation = store.generation() if store is not None else 0
@@ -312,6 +324,7 @@ class Dispatcher:
             self._fingerprints = shadow._fingerprints
             self._match_cache = shadow._match_cache
             self._validations = shadow._validations
+            self._imported = shadow._imported
             self._generation = generation
         return True
 
@@ -321,6 +334,7 @@ class Dispatcher:
         self._fingerprints = None
         self._match_cache = {}
         self._validations = {}
+        self._imported = {}
 
     def refresh(self) -> None:
         """Drop every cached decision now (the next calls re-read the store)."""
@@ -426,7 +440,50 @@ class Dispatcher:
             return decision
 
     def resolve(self, shape: Any, routing: Any = None) -> Decision:
-        """Work out the decision without the per-key cache (the family rows are still cached)."""
+        """Work out the decision without the per-key cache (the family rows are still cached).
+
+        What the store and the model do not answer (a fallback) is answered by the incumbent's
+        table row where one exists for this device and shape (:meth:`_incumbent`).
+        """
+        decision = self._resolve(shape, routing)
+        if decision.config is None and self.options.incumbent:
+            return self._incumbent(shape, decision)
+        return decision
+
+    def _incumbent(self, shape: Any, decision: Decision) -> Decision:
+        """The incumbent's table row for ``shape`` in place of the fallback ``decision``
+        (same reason, level ``incumbent``, ``source`` naming the table and row); the fallback
+        itself where there is no table row (the incumbent is then FlagGems' default)."""
+        if not isinstance(shape, MoEShape) or decision.reason == "unknown_routing_class":
+            return decision
+        from mxdb.incumbent import imported_tables, incumbent
+
+        device = self.fingerprint.device_name if self.fingerprint is not None else None
+        key = (shape.dtype, device)
+        tables = self._imported.get(key)
+        if tables is None:
+            tables = {}
+            if self.store is not None:
+                try:
+                    tables = imported_tables(self.store, shape.dtype, device)
+                except MxdbError:
+                    tables = {}  # a store that cannot be read: the shipped tables answer
+            self._imported[key] = tables
+        try:
+            inc = incumbent(shape, device, tables)
+        except (MxdbError, ValueError, OSError):
+            return decision  # a shipped table that cannot be read: FlagGems' default
+        if not inc.is_table_row:
+            return decision
+        return Decision(
+            config=inc.config,
+            level=INCUMBENT,
+            confidence=0.0,
+            reason=decision.reason,
+            source=inc.describe(),
+        )
+
+    def _resolve(self, shape: Any, routing: Any = None) -> Decision:
         if not all(hasattr(shape, a) for a in ("op", "dtype", "family", "tokens")):
             raise UsageError(
                 f"dispatch needs a shape such as mxdb.MoEShape(experts=, hidden=, intermediate=, "
@@ -467,8 +524,33 @@ class Dispatcher:
         decision = self._predictions.get(key)
         if decision is None:
             decision = self._ask_model(model, shape, routing_class)
+            if decision.config is not None and self.options.incumbent:
+                decision = self._over_incumbent(model, shape, routing_class, decision)
             self._predictions[key] = decision
         return decision
+
+    def _over_incumbent(
+        self, model: PerfModel, shape: MoEShape, routing_class: str, decision: Decision
+    ) -> Decision:
+        """The model's answer where it is predicted at least the gate's speedup over the
+        incumbent's table row too (the model is a prior: where it is unsure it beats what the
+        user runs today, the key answers that); else the fallback
+        ``prediction_not_over_incumbent``, which the incumbent's row then answers."""
+        from mxdb.incumbent import incumbent
+
+        device = self.fingerprint.device_name if self.fingerprint is not None else None
+        try:
+            inc = incumbent(shape, device)
+            if not inc.is_table_row or inc.config.hash == decision.config.hash:
+                return decision
+            from mxdb.costmodel.train import predicted_over
+
+            over = predicted_over(model.forest, shape, routing_class, decision.config, inc.config)
+        except Exception:  # a model that fails here answers nothing, never raises
+            return fallback("model_error")
+        if over >= model.gate.min_speedup:
+            return decision
+        return fallback("prediction_not_over_incumbent")
 
     @staticmethod
     def _ask_model(model: PerfModel, shape: MoEShape, routing_class: str) -> Decision:

@@ -36,7 +36,7 @@ REGISTRY: dict[str, tuple[str, str, str]] = {
     "store-export": ("mxdb.interop.export:StoreExport", "1.3", "serialization"),
     "compile-survey": ("mxdb.evidence.survey:CompileSurvey", "1.1", "serialization"),
     "decode": ("mxdb.evidence.decode:DecodeDoc", "1.0", "serialization"),
-    "peers": ("mxdb.evidence.peers:PeersDoc", "1.4", "serialization"),
+    "peers": ("mxdb.evidence.peers:PeersDoc", "1.5", "serialization"),
     "lean-layer": ("mxdb.evidence.lean_layer:LeanLayerDoc", "1.0", "serialization"),
     "self-healing": ("mxdb.evidence.healing:SelfHealingDoc", "1.0", "serialization"),
     "serving": ("mxdb.evidence.serving:ServingDoc", "1.1", "serialization"),

@@ -42,6 +42,15 @@ CFG_B = KernelConfig(
 )
 
 
+def incumbent_row(shape: MoEShape) -> KernelConfig:
+    """The row of vLLM's shipped H200 table the incumbent level answers for ``shape``."""
+    from mxdb.incumbent import incumbent
+
+    inc = incumbent(shape, "NVIDIA H200")
+    assert inc.source == "vllm", inc
+    return inc.config
+
+
 def entry(
     shape: MoEShape = SHAPE,
     config: KernelConfig = CFG_A,
@@ -132,7 +141,8 @@ def test_neighbour_tokens_need_held_out_support(store: Store) -> None:
     assert disp.dispatch(SHAPE.with_tokens(8), "uniform").reason == "neighbour_not_validated"
     assert disp.dispatch(SHAPE.with_tokens(3), "uniform").reason == "neighbour_not_validated"
     far = disp.dispatch(SHAPE.with_tokens(9), "uniform")
-    assert (far.level, far.reason, far.config) == ("fallback", "tokens_out_of_range", None)
+    far_row = incumbent_row(SHAPE.with_tokens(9))
+    assert (far.level, far.reason, far.config) == ("incumbent", "tokens_out_of_range", far_row)
 
 
 def test_entries_without_held_out_validation_answer_their_own_key_only(store: Store) -> None:
@@ -156,7 +166,7 @@ def test_invalid_stored_rows_fall_back_instead_of_raising(store: Store, db_path:
     with sqlite3.connect(db_path) as conn:  # a row edited behind mxdb's back
         conn.execute("UPDATE entries SET config = ? WHERE id = ?", ('{"gemm1": 3}', eid))
     d = Dispatcher(store, H200).dispatch(SHAPE, "uniform")
-    assert (d.level, d.reason, d.config) == ("fallback", "invalid_entry", None)
+    assert (d.level, d.reason, d.config) == ("incumbent", "invalid_entry", incumbent_row(SHAPE))
 
 
 def test_nearest_and_best_entry_wins(store: Store) -> None:
@@ -344,7 +354,7 @@ def test_module_level_dispatch_uses_configured_store(store: Store) -> None:
     disp = mxdb.configure(store, fingerprint=H200)
     try:
         assert mxdb.dispatch(SHAPE, "uniform").reason == "exact_match"
-        assert mxdb.dispatch(SHAPE.with_tokens(4096)).is_fallback
+        assert mxdb.dispatch(SHAPE.with_tokens(4096)).level == "incumbent"
     finally:
         mxdb.dispatcher._default = None
     assert disp.store is store
@@ -377,8 +387,9 @@ def test_the_dispatcher_is_generic_over_the_op(store: Store) -> None:
 
 
 def test_baseline_records_answer_with_flaggems_choice(store: Store) -> None:
-    """A key the tuner measured without beating FlagGems' choice answers the fallback there,
-    and keeps a farther verified neighbour from answering for it."""
+    """A key the tuner measured without beating FlagGems' choice answers what nothing measured
+    answers (the incumbent's table row, else FlagGems' choice) there, and keeps a farther
+    verified neighbour from answering for it."""
     base_cfg = KernelConfig.uniform(
         GemmConfig(block_m=16, block_n=64, block_k=64, num_warps=4, num_stages=2)
     )
@@ -393,7 +404,10 @@ def test_baseline_records_answer_with_flaggems_choice(store: Store) -> None:
     )
     disp = Dispatcher(store, H200)
     exact = disp.dispatch(SHAPE.with_tokens(8), "uniform")
-    assert (exact.level, exact.reason, exact.config) == ("fallback", "baseline_measured", None)
+    want = ("incumbent", "baseline_measured", incumbent_row(SHAPE.with_tokens(8)))
+    assert (exact.level, exact.reason, exact.config) == want
+    off = Dispatcher(store, H200, DispatchOptions(incumbent=False)).dispatch(SHAPE.with_tokens(8))
+    assert (off.level, off.reason, off.config) == ("fallback", "baseline_measured", None)
     # M=9 is nearer the measured M=8 than the verified M=16
     assert disp.dispatch(SHAPE.with_tokens(9), "uniform").reason == "baseline_measured"
     assert disp.dispatch(SHAPE.with_tokens(15), "uniform").config == CFG_A

@@ -51,7 +51,7 @@ from mxdb.store import Store
 from mxdb.tune.workload import load_workload
 
 ROOT = Path(__file__).resolve().parents[1]
-VLLM_DIR = ROOT / "tests" / "data" / "vllm_configs"
+VLLM_DIR = ROOT / "mxdb" / "data" / "vllm"
 CASE_TIMEOUT_S = 10.0
 SCALE = float(os.environ.get("MXDB_FUZZ_EXAMPLES", "1"))
 TRIED: Counter[str] = Counter()

@@ -205,7 +205,7 @@ def test_vllm_table_with_a_non_ascii_digit_key(tmp_path: Path, db: str) -> None:
 
 
 def test_import_vllm_of_zero_sized_tables_fails(tmp_path: Path, db: str) -> None:
-    src = DATA / "vllm_configs" / "E=8,N=14336,device_name=NVIDIA_H200.json"
+    src = DATA.parent.parent / "mxdb" / "data" / "vllm" / "E=8,N=14336,device_name=NVIDIA_H200.json"
     bad = tmp_path / "E=0,N=0,device_name=NVIDIA_H200.json"
     shutil.copy(src, bad)
     out = assert_clean(run("import", "vllm", str(bad), "--db", db), 2, "every one of the 1")
@@ -439,9 +439,18 @@ def test_tests_need_nothing_outside_the_repository() -> None:
     for test in here.glob("*.py"):
         text = test.read_text()
         assert not any(o in text for o in outside), test.name
-    notice = (DATA / "vllm_configs" / "NOTICE.md").read_text()
+    notice = (DATA.parent.parent / "mxdb" / "data" / "vllm" / "NOTICE.md").read_text()
     assert "Apache" in notice and "byte-identical" in notice
-    assert len(list((DATA / "vllm_configs").glob("E=*,device_name=NVIDIA_H200.json"))) == 22
+    assert (
+        len(
+            list(
+                (DATA.parent.parent / "mxdb" / "data" / "vllm").glob(
+                    "E=*,device_name=NVIDIA_H200.json"
+                )
+            )
+        )
+        == 22
+    )
 
 
 # ---------------------------------------------------------------- audit blind spots

@@ -29,7 +29,7 @@ from mxdb.models import Entry, Fingerprint
 from mxdb.resources import flaggems_default_config
 from mxdb.store import Store
 
-PEERS = Path(__file__).resolve().parent / "data" / "vllm_configs"
+PEERS = Path(__file__).resolve().parent.parent / "mxdb" / "data" / "vllm"
 MIXTRAL = PEERS / "E=8,N=14336,device_name=NVIDIA_H200.json"
 FP = Fingerprint(vendor="nvidia", device_name="NVIDIA H200", triton="3.6.0", flag_gems="5.0.2")
 

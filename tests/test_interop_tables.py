@@ -32,7 +32,7 @@ from mxdb.store import Store
 from mxdb.tune.verify import SINGLE_SOURCE
 
 REPO = Path(__file__).resolve().parents[1]
-VLLM_CONFIGS = REPO / "tests" / "data" / "vllm_configs"
+VLLM_CONFIGS = REPO / "mxdb" / "data" / "vllm"
 MODELS = REPO / "tests" / "data" / "model_configs"
 SHIPPED = REPO / "evidence" / "store-export.json"
 SHIPPED_FP = "6f0a9d03427b6eb8"
@@ -156,6 +156,7 @@ def test_shipped_store_exports_dense_measured_tables(db: str, tmp_path: Path) ->
     assert report["fingerprint"] == SHIPPED_FP and report["device_name"] == "NVIDIA H200"
     path = out / MIXTRAL_H200
     table = json.loads(path.read_text())
+    own = json.loads((VLLM_CONFIGS / MIXTRAL_H200).read_text())
     assert next(iter(table)) == "triton_version" and table["triton_version"] == "3.6.0"
     rows = {int(k): v for k, v in table.items() if k != "triton_version"}
     assert sorted(rows) == list(vllm.TUNER_BATCH_SIZES)  # 18 rows, 1 ... 4096
@@ -172,9 +173,12 @@ def test_shipped_store_exports_dense_measured_tables(db: str, tmp_path: Path) ->
     shape = MoEShape(8, 4096, 14336, 2, 1, "bf16")
     for m in (1024, 2048, 4096):
         # measured: nothing beat FlagGems' choice, and vLLM's row was at parity with it (a
-        # parity record) or not (a baseline record): the row is the record's config
+        # parity record: the row is the record's config) or not (a baseline record: the row
+        # is the incumbent's, vLLM's own row there)
         (rec,) = [e for e in entries if e.tokens == m and e.status in ("baseline", "parity")]
         expected = KernelConfig.parse(rec.config).gemm1.to_triton()
+        if rec.status == "baseline":
+            expected = own[str(m)]
         assert vllm_lookup(out, "NVIDIA H200", 8, 14336, m) == expected
     assert {e.status for e in entries if e.tokens in (1024, 2048, 4096)} == {"parity"}
     # every other measured M follows the rule of mxdb.interop.tables
@@ -208,9 +212,14 @@ def test_shipped_store_exports_dense_measured_tables(db: str, tmp_path: Path) ->
     # the shipped store has keys with a FlagGems config verified, and keys whose verified
     # entry is fused_act, written with the best FlagGems config measured beside it
     assert {"single", "tune-single"} <= kinds, kinds
-    # unmeasured Ms without an imported vLLM table repeat the nearest measured row
-    assert rows[24] == rows[16] and rows[1536] == rows[1024] and rows[3072] == rows[2048]
-    assert any("M=24,48,96,1536,3072" in n for n in report["notes"])
+    # unmeasured Ms without an imported vLLM table: the incumbent's row, from vLLM's H200
+    # table shipped with mxdb, and no row repeats a measured one
+    for m in (24, 48, 96, 1536, 3072):
+        assert rows[m] == own[str(m)], m
+    assert not any("repeat the nearest" in n for n in report["notes"])
+    for m, at in sorted(by_m.items()):
+        if any(e.status == "baseline" for e in at):  # nothing beat FlagGems: the incumbent
+            assert rows[m] == own[str(m)], m
 
 
 def test_unmeasured_rows_come_from_vllms_own_table(db: str, tmp_path: Path) -> None:
@@ -226,7 +235,10 @@ def test_unmeasured_rows_come_from_vllms_own_table(db: str, tmp_path: Path) -> N
     own = json.loads((VLLM_CONFIGS / MIXTRAL_H200).read_text())
     for m in (24, 48, 96, 1536, 3072):
         assert vllm_lookup(out, "NVIDIA H200", 8, 14336, m) == own[str(m)]
-    assert json.loads(res.stdout)["row_sources"]["vllm"] == 5
+    # the 5 unmeasured Ms of each table: Mixtral-8x7B's from the imported table, Qwen3's
+    # from vLLM's H200 table shipped with mxdb (the incumbent's rows, as dispatch answers)
+    sources = json.loads(res.stdout)["row_sources"]
+    assert sources["vllm"] == 10 and "nearest" not in sources, sources
 
 
 def test_export_for_an_h200_nvl_host_is_read_by_vllm(db: str, tmp_path: Path) -> None:
@@ -258,11 +270,17 @@ def test_export_for_an_h200_nvl_host_is_read_by_vllm(db: str, tmp_path: Path) ->
     assert res.exit_code == 0, res.output
     assert f"VLLM_TUNED_CONFIG_FOLDER={out.resolve()}" in res.output
     assert [p.name for p in out.iterdir()] == [MIXTRAL_H200]
-    for m in (1, 4, 64, 100):
+    for m in (64, 70):
         assert vllm_lookup(out, "NVIDIA H200 NVL", 8, 14336, m) == best.to_triton()
+    # unmeasured Ms: the incumbent's row, vLLM's own H200 table (which an NVL host reads)
+    own = json.loads((VLLM_CONFIGS / MIXTRAL_H200).read_text())
+    for m in (1, 4, 100):
+        assert vllm_lookup(out, "NVIDIA H200 NVL", 8, 14336, m) == own[str(vllm.nearest(
+            [int(k) for k in own if k.isdigit()], m))]  # fmt: skip
     # the split entry's key: the single config measured beside it, not GEMM1 of the split
-    for m in (256, 300, 4096):
+    for m in (256, 300):
         assert vllm_lookup(out, "NVIDIA H200 NVL", 8, 14336, m) == single.to_triton()
+    assert vllm_lookup(out, "NVIDIA H200 NVL", 8, 14336, 4096) == own["4096"]
     table = json.loads((out / MIXTRAL_H200).read_text())
     assert table["triton_version"] == NVL.triton == "3.6.0"
 
@@ -647,9 +665,9 @@ def test_single_record_beside_a_split_winner() -> None:
 
 
 def test_peer_tables_in_the_repo_are_the_same_bytes_as_vllms() -> None:
-    peers = REPO / "tests" / "data" / "vllm_configs"
+    peers = REPO / "mxdb" / "data" / "vllm"
     if not peers.is_dir():
-        pytest.skip("tests/data/vllm_configs not present")
+        pytest.skip("mxdb/data/vllm not present")
     for path in peers.glob("E=*.json"):
         assert (VLLM_CONFIGS / path.name).read_bytes() == path.read_bytes()
 

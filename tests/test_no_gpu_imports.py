@@ -79,7 +79,7 @@ def test_cpu_commands_load_no_gpu_package(guarded_env: dict[str, str], tmp_path:
         "--dtype",
         "bf16",
     ]
-    vllm_dir = Path(__file__).resolve().parent / "data" / "vllm_configs"
+    vllm_dir = Path(__file__).resolve().parent.parent / "mxdb" / "data" / "vllm"
     bundle = tmp_path / "empty-bundle"
     bundle.mkdir()
     commands = [

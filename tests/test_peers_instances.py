@@ -522,6 +522,7 @@ def _fake_gpu(monkeypatch: pytest.MonkeyPatch, calls: list[dict[str, Any]]) -> N
 
     class Fingerprint:
         hash = "0" * 16
+        device_name = "NVIDIA H200"
 
         def components(self) -> dict[str, Any]:
             return dict(FP)
@@ -592,34 +593,25 @@ def test_heldout_run_times_each_instance_on_its_own(
     in its own rounds with its own order seed; ``publish`` makes an audit-clean 1.2 bundle."""
     import argparse
 
+    from mxdb.incumbent import incumbent
     from mxdb.routing import classify, features
+    from mxdb.shapes import preset_shape
 
     peers = _load("peers.py")
     calls: list[dict[str, Any]] = []
     _fake_gpu(monkeypatch, calls)
     monkeypatch.setattr(peers, "bandwidth", lambda: 4.2e12)
     monkeypatch.setattr(peers, "dispatch_cost", lambda d, s: {"mxdb_dispatch_hit_us": 0.2})
-    vllm = tmp_path / "vllm"
-    vllm.mkdir()
-    row = {
-        "BLOCK_SIZE_M": 16,
-        "BLOCK_SIZE_N": 64,
-        "BLOCK_SIZE_K": 128,
-        "GROUP_SIZE_M": 1,
-        "num_warps": 4,
-        "num_stages": 3,
-    }
-    for tag in peers.FAMILIES.values():
-        (vllm / f"{tag},device_name=NVIDIA_H200.json").write_text(json.dumps({"1": row}))
     out = tmp_path / "raw.json"
     a = argparse.Namespace(
         out=str(out),
         store_export=str(REPO / "evidence" / "store-export.json"),
-        vllm_dir=str(vllm),
         workload=None,
         deadline_s=1e9,
         heldout=True,
         instances=3,
+        salt="s1",
+        data_use="test",
     )
     peers.run(a)
     raw = json.loads(out.read_text())
@@ -630,8 +622,13 @@ def test_heldout_run_times_each_instance_on_its_own(
         assert [i["instance"] for i in p["instances"]] == [0, 1, 2]
         experts = {"mixtral-8x7b": 8, "qwen3-30b-a3b": 128}[p["family"]]
         for i in p["instances"]:
-            want = peers.heldout_seed(p["family"], p["tokens"], p["routing"], i["instance"])
+            want = peers.heldout_seed(p["family"], p["tokens"], p["routing"], i["instance"], "s1")
             assert i["seed"] == i["order_seed"] == want
+            unsalted = peers.heldout_seed(p["family"], p["tokens"], p["routing"], i["instance"])
+            assert want != unsalted  # a salt draws new instances
+            # (b) is the incumbent: vLLM's shipped H200 table row for the point
+            shape = preset_shape(p["family"], p["tokens"], "bf16")
+            assert i["configs"]["b"] == incumbent(shape, "NVIDIA H200").config.model_dump()
             assert i["routing_class"] == str(classify(features(i["ids"], experts)))
             reps, cps = peers.instance_reps(p["tokens"], 3)
             assert all(len(s) == reps for s in i["graph_us"].values())
@@ -647,8 +644,12 @@ def test_heldout_run_times_each_instance_on_its_own(
     peers.publish(out, bundle)
     assert audit_codes(bundle) == set()
     doc = _doc(bundle)
-    assert doc["schema_version"] == "1.4" and doc["figures"]["n_instances"] == 234
+    assert doc["schema_version"] == "1.5" and doc["figures"]["n_instances"] == 234
     assert doc["read_bandwidth_bytes_per_s"] == 4.3e12
+    assert (doc["seed_salt"], doc["data_use"]) == ("s1", "test")
+    assert {t["name"] for t in doc["targets"]} >= {
+        "c_vs_incumbent_geomean", "c_never_slower_than_incumbent", "routing_aware_never_slower"
+    }  # fmt: skip
 
 
 def test_sparse_workload_covers_the_class_heldout_zipf_instances_of_qwen3_fall_in() -> None:

@@ -245,8 +245,9 @@ def test_cli_tune_perf_model_on_the_fake_backend(tmp_path: Path) -> None:
     assert len(rung0) == 4
     grid = len(SearchSpace(preset_shape("qwen3-30b-a3b", 4), FakeBackend().profile()).grid)
     for hashes in rung0.values():
-        # the model's 30 and FlagGems' line (some of it shared), never the 1,920-config grid
-        assert MODEL_KEEP <= len(hashes) <= MODEL_KEEP + 17 < grid
+        # the model's 30, FlagGems' line and the incumbent row's (vLLM's H200 table, a
+        # seed; some of it shared), never the 1,920-config grid
+        assert MODEL_KEEP <= len(hashes) <= MODEL_KEEP + 2 * 17 < grid
     for b in report["bundles"]:
         assert audit_bundle(Path(b)).findings == ()
 

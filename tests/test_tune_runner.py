@@ -259,7 +259,8 @@ def test_every_bundle_carries_its_keys_entries_when_routings_share_a_class(
 
 def test_points_where_flaggems_wins_are_stored_as_baseline_records(tmp_path: Path) -> None:
     """When nothing beats FlagGems' choice beyond the noise, the key is stored as a
-    ``baseline`` entry (FlagGems' config), so the dispatcher answers FlagGems' choice there."""
+    ``baseline`` entry (FlagGems' config), so the dispatcher answers what nothing measured
+    answers there (the incumbent)."""
     from mxdb import pointverdict
     from mxdb.dispatcher import Dispatcher
     from mxdb.tune.search import SearchResult
@@ -317,7 +318,9 @@ def test_points_where_flaggems_wins_are_stored_as_baseline_records(tmp_path: Pat
         store.put_fingerprint(be.fingerprint())
         store.add_entries([entry.model_copy(update={"fingerprint_hash": be.fingerprint().hash})])
         d = Dispatcher(store, be.fingerprint()).dispatch(shape, "uniform")
-        assert (d.level, d.reason) == ("fallback", "baseline_measured")
+        # nothing measured beats FlagGems' choice: the incumbent's row answers (vLLM's rule
+        # maps FAKE_H200 to the shipped NVIDIA_H200 tables)
+        assert (d.level, d.reason) == ("incumbent", "baseline_measured")
 
 
 class _SlowOn(FakeBackend):
@@ -358,7 +361,11 @@ def test_a_verified_config_another_trace_of_its_key_contradicts_is_rejected(
 
 #: vLLM's H200 table of Qwen3-30B-A3B's experts (E=128, N=768), vendored for tests
 H200_TABLE = (
-    Path(__file__).parent / "data" / "vllm_configs" / "E=128,N=768,device_name=NVIDIA_H200.json"
+    Path(__file__).parent.parent
+    / "mxdb"
+    / "data"
+    / "vllm"
+    / "E=128,N=768,device_name=NVIDIA_H200.json"
 )
 
 
@@ -412,13 +419,13 @@ def test_a_peer_row_at_parity_is_stored_dispatched_and_audited(tmp_path: Path) -
         shape = MoEShape(128, 2048, 768, 8, 16, "bf16")
         d = Dispatcher(store, _TieWithPeer(peer.hash).fingerprint()).dispatch(shape, "uniform")
         assert (d.reason, d.level, d.config.hash) == ("parity", "exact", peer.hash)
-        # a neighbouring token count is not answered by it
-        assert (
-            Dispatcher(store, _TieWithPeer(peer.hash).fingerprint())
-            .dispatch(shape.with_tokens(20), "uniform")
-            .config
-            is None
+        # a neighbouring token count is not answered by it, but by the incumbent: the
+        # imported table's row there (vLLM's rule maps FAKE_H200 to NVIDIA_H200's tables)
+        near = Dispatcher(store, _TieWithPeer(peer.hash).fingerprint()).dispatch(
+            shape.with_tokens(20), "uniform"
         )
+        assert (near.level, near.entry_id) == ("incumbent", None)
+        assert near.source is not None and near.source.startswith("imported table")
     (bundle,) = rep.bundles
     assert not audit_bundle(Path(bundle)).findings
     runs = list((Path(bundle) / "runs").glob("*.json"))

@@ -24,6 +24,7 @@ from mxdb.audit.claims import DECODE_SETTING, ClaimKind, Context, Path_, Unit
 from mxdb.audit.findings import FindingSink
 from mxdb.evidence.peers import (
     ENTRY_REASONS,
+    INCUMBENT_VERSIONS,
     LABELS,
     REPORT_FILE,
     ROLES,
@@ -206,14 +207,18 @@ def _runs_problems(
             bad = True
     reason = p.get("dispatch_reason_c")
     if reason is not None and reason not in ENTRY_REASONS:
-        c_run, a_run = runs.get(ids["c"]) or {}, runs.get(ids["a"]) or {}
-        if c_run.get("config_hash") != a_run.get("config_hash"):
+        # a fallback runs FlagGems' choice (a); against the incumbent (schema 1.5) it runs the
+        # incumbent's row (b) where the device has a table, which is (b) by construction
+        allowed = ("a", "b") if ctx.doc.get("schema_version") in INCUMBENT_VERSIONS else ("a",)
+        c_hash = (runs.get(ids["c"]) or {}).get("config_hash")
+        if all(c_hash != (runs.get(ids[x]) or {}).get("config_hash") for x in allowed):
             sink.add(
                 "peers.run_mismatch",
                 rel,
                 f"{where}.runs.c",
-                "config (a)'s hash: the dispatcher fell back to FlagGems' choice",
-                f"config_hash {c_run.get('config_hash')} in run {ids['c']}",
+                f"config ({' or '.join(allowed)})'s hash: the dispatcher fell back to FlagGems' "
+                "choice or the incumbent's row",
+                f"config_hash {c_hash} in run {ids['c']}",
                 f"the point records the fallback reason {reason!r}, but (c) ran another config",
             )
             bad = True
@@ -257,6 +262,8 @@ def _figures(doc: Mapping[str, Any], ctx: Context) -> Mapping[str, Any]:
         trace_classes=classes,
         schema_version=doc["schema_version"],
         read_bandwidth_bytes_per_s=doc.get("read_bandwidth_bytes_per_s"),
+        seed_salt=doc.get("seed_salt"),
+        data_use=doc.get("data_use"),
     )
 
 

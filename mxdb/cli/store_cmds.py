@@ -86,8 +86,9 @@ def dispatch_cmd(
 ) -> None:
     """Print the config mxdb dispatches for one MoE call, with its level and reason.
 
-    A fallback (no confident answer) is a valid answer: the caller then uses
-    FlagGems' own choice. Exit 0 for any decision, 2 for bad input.  The shape is
+    Where nothing measured answers, the answer is the incumbent: the row of the vLLM
+    table for this device and shape (shipped or imported; level incumbent, the table
+    named), else a fallback: the caller then uses FlagGems' own choice. Exit 0 for any decision, 2 for bad input.  The shape is
     --experts/--hidden/--intermediate/--topk, or --model config.json [--tp N] [--ep N]
     (explicit sizes override the model's).  With --perf-model, a shape family the
     store has not measured in this environment is answered by the performance
@@ -115,7 +116,9 @@ def dispatch_cmd(
         click.echo("config:     none (use FlagGems' own choice)")
     else:
         click.echo(f"config:     {d['config_short']}  [{d['config_hash']}]")
-        if d["entry_id"] is None:
+        if d.get("source"):
+            click.echo(f"entry:      none (the incumbent: {d['source']})")
+        elif d["entry_id"] is None:
             click.echo(f"entry:      none (predicted by the performance model {d['perf_model']})")
         else:
             click.echo(

@@ -479,3 +479,19 @@ def lofo_plan(
                     "confidence": ch.confidence, "answered": gate.admits(ch),
                 })  # fmt: skip
     return out
+
+
+def predicted_over(
+    model: Mapping[str, Any],
+    shape: MoEShape,
+    routing_class: str,
+    config: KernelConfig,
+    other: KernelConfig,
+) -> float:
+    """The predicted lower-quartile speedup of ``config`` over ``other`` at the key: per tree,
+    the difference of the two predicted log speedups over FlagGems' choice (the quartile
+    :func:`choose` ranks by), so the comparison is as cautious as the model's own choice."""
+    version = version_of(model.get("n_features"))
+    rows = [features(shape, routing_class, c, version) for c in (config, other)]
+    per_tree = trees.members(model, rows)
+    return math.exp(float(np.quantile(per_tree[:, 0] - per_tree[:, 1], QUANTILE)))

@@ -37,7 +37,7 @@ KNOWN_VERSIONS: dict[str, tuple[str, ...]] = {
     "mxdb.store-export": ("1.0", "1.1", "1.2", "1.3"),
     "mxdb.compile-survey": ("1.0", "1.1"),
     "mxdb.decode": ("1.0",),
-    "mxdb.peers": ("1.0", "1.1", "1.2", "1.3", "1.4"),
+    "mxdb.peers": ("1.0", "1.1", "1.2", "1.3", "1.4", "1.5"),
     "mxdb.lean-layer": ("1.0",),
     "mxdb.self-healing": ("1.0",),
     "mxdb.serving": ("1.0", "1.1"),

@@ -125,12 +125,19 @@ from mxdb.shapes import memory_floor_bytes
 REPORT_FILE = "report/peers.md"
 PEERS_FILE = "peers.json"
 SCHEMA = "mxdb.peers"
-SCHEMA_VERSION = "1.4"
-#: The versions judged on the held-out targets (and comparing a config with itself as one
-#: kernel): 1.3, and 1.4, which adds the streaming-read floor.
-HELDOUT_VERSIONS: tuple[str, ...] = ("1.3", "1.4")
+SCHEMA_VERSION = "1.5"
+#: The versions judged on held-out routing (and comparing a config with itself as one
+#: kernel): 1.3; 1.4, which adds the streaming-read floor; 1.5, judged against the incumbent.
+HELDOUT_VERSIONS: tuple[str, ...] = ("1.3", "1.4", "1.5")
 #: The versions that carry ``read_bandwidth_bytes_per_s`` (where it was measured).
-READ_BANDWIDTH_VERSIONS: tuple[str, ...] = ("1.4",)
+READ_BANDWIDTH_VERSIONS: tuple[str, ...] = ("1.4", "1.5")
+#: The versions judged against the incumbent (:data:`INCUMBENT_TARGETS`): (b) is the
+#: incumbent's config (``mxdb.incumbent``), the held-out seeds are salted (``seed_salt``) and
+#: the document says whether its comparison guided a change (``data_use``).
+INCUMBENT_VERSIONS: tuple[str, ...] = ("1.5",)
+#: What a comparison's data was used for: ``test`` (drawn once, for this check) or
+#: ``development`` (its results guided a change: not a test of that change).
+DATA_USES: tuple[str, ...] = ("test", "development")
 #: The version of documents judged by the verdict rule on one routing instance per point.
 SINGLE_INSTANCE_VERSION = "1.1"
 DECODE_MAX_TOKENS = 16
@@ -265,8 +272,43 @@ HELDOUT_TARGETS: tuple[TargetSpec, ...] = (
 )
 
 
+#: The targets of a comparison against the incumbent (schema 1.5): (b) is what the user runs
+#: today (vLLM's table row for the device, else FlagGems' default); FlagGems' default (a)
+#: stays a column of the figures.
+INCUMBENT_TARGETS: tuple[TargetSpec, ...] = (
+    TargetSpec(
+        name="c_vs_incumbent_geomean",
+        figure="geomean_speedup_c_over_b",
+        comparison="ge",
+        threshold=1.06,
+        statement="GPU time on fresh held-out routing: geomean speedup of mxdb's dispatch (c) "
+        "over the incumbent (b: vLLM's table row for the device) of at least 1.06x over all "
+        "points",
+    ),
+    TargetSpec(
+        name="c_never_slower_than_incumbent",
+        figure="points_c_slower_than_b",
+        comparison="le",
+        threshold=0.0,
+        statement="no point where (c) is slower than the incumbent (b) by the verdict rule",
+    ),
+    TargetSpec(
+        name="routing_aware_never_slower",
+        figure="points_d_faster_than_c",
+        comparison="le",
+        threshold=0.0,
+        statement="no point where mxdb's routing-oblivious answer (d) is faster than its "
+        "routing-aware one (c) beyond the noise band",
+    ),
+    *(t for t in TARGETS if t.name.startswith("decode_")),
+)
+
+
 def targets_for(schema_version: str) -> tuple[TargetSpec, ...]:
-    """The targets a document of ``schema_version`` is judged on (1.3, 1.4: held-out routing)."""
+    """The targets a document of ``schema_version`` is judged on (1.3, 1.4: held-out routing;
+    1.5: against the incumbent)."""
+    if schema_version in INCUMBENT_VERSIONS:
+        return INCUMBENT_TARGETS
     return HELDOUT_TARGETS if schema_version in HELDOUT_VERSIONS else TARGETS
 
 
@@ -366,6 +408,8 @@ INSTANCE_FIGURES: tuple[str, ...] = (
 #: Aggregate figures of schema 1.4 (absent from older documents, and from documents without a
 #: read bandwidth).
 READ_BANDWIDTH_FIGURES: tuple[str, ...] = ("decode_geomean_floor_fraction_c_read",)
+#: The figures of documents judged against the incumbent (schema 1.5).
+INCUMBENT_FIGURES: tuple[str, ...] = ("points_d_faster_than_c",)
 #: Explanations of schema 1.2 (absent from older documents).
 INSTANCE_EXPLANATIONS: tuple[str, ...] = ("instances_c_slower_than_a", "instances_c_slower_than_b")
 
@@ -522,7 +566,7 @@ class Explanations(_Doc):
 class PeerFigures(_Doc):
     """The comparison's aggregate figures."""
 
-    model_config = optional_fields(*INSTANCE_FIGURES, *READ_BANDWIDTH_FIGURES)
+    model_config = optional_fields(*INSTANCE_FIGURES, *READ_BANDWIDTH_FIGURES, *INCUMBENT_FIGURES)
 
     n_points: int
     geomean_speedup_c_over_a: float | None
@@ -538,6 +582,10 @@ class PeerFigures(_Doc):
     decode_geomean_eager_speedup: float | None
     decode_geomean_eager_over_graph: float | None
     points_routing_changes_dispatch: int
+    points_d_faster_than_c: int | None = Field(
+        default=None,
+        description="schema 1.5: points where (d) is faster than (c) beyond the noise band",
+    )
     geomean_c_over_d_where_changed: float | None = Field(
         description="geomean of median(d) / median(c) over points where (d) differs"
     )
@@ -554,11 +602,16 @@ class PeersDoc(_Doc):
     """``peers.json``: FlagGems, vLLM's table and mxdb's dispatch side by side."""
 
     model_config = optional_fields(
-        "explanations", "rule", "routing_source", "read_bandwidth_bytes_per_s"
+        "explanations",
+        "rule",
+        "routing_source",
+        "read_bandwidth_bytes_per_s",
+        "seed_salt",
+        "data_use",
     )
 
     schema_name: Literal["mxdb.peers"] = Field(default="mxdb.peers", alias="schema")
-    schema_version: Literal["1.0", "1.1", "1.2", "1.3", "1.4"] = "1.4"
+    schema_version: Literal["1.0", "1.1", "1.2", "1.3", "1.4", "1.5"] = "1.5"
     milestone: str
     fingerprint_hash: str
     bandwidth_bytes_per_s: float = Field(
@@ -589,6 +642,15 @@ class PeersDoc(_Doc):
     )
     routing_source: str | None = Field(
         default=None, description="where the points' routing instances came from"
+    )
+    seed_salt: str | None = Field(
+        default=None,
+        description="schema 1.5: the salt of this run's held-out seeds (drawn for it, once)",
+    )
+    data_use: Literal["test", "development"] | None = Field(
+        default=None,
+        description="schema 1.5: test (its seeds were drawn once, for this check) or "
+        "development (its results guided a change: not a test of that change)",
     )
 
 
@@ -892,8 +954,9 @@ def aggregate(
     *,
     bandwidth_bytes_per_s: float | None = None,
     read_bandwidth_bytes_per_s: float | None = None,
+    incumbent: bool = False,
 ) -> dict[str, Any]:
-    """The aggregate figures over the points.
+    """The aggregate figures over the points (``incumbent``: also schema 1.5's).
 
     With both bandwidths (the copy bandwidth of the points' floors and a read bandwidth: schema
     1.4) also ``decode_geomean_floor_fraction_c_read``.
@@ -917,6 +980,8 @@ def aggregate(
         "points_routing_changes_dispatch": sum(1 for r in points if r["c_differs_from_d"]),
         "geomean_c_over_d_where_changed": gm("speedup_c_over_d", lambda r: r["c_differs_from_d"]),
     }
+    if incumbent:
+        out["points_d_faster_than_c"] = sum(1 for r in points if r.get("d_faster_than_c"))
     if bandwidth_bytes_per_s is not None and read_bandwidth_bytes_per_s is not None:
         # floor_us = bytes / bandwidth at every point, so the read floor is the copy floor
         # scaled by copy / read, and so is each fraction and their geomean
@@ -1039,6 +1104,8 @@ def build_peers(
     trace_classes: Mapping[str, str] | None = None,
     schema_version: str | None = None,
     read_bandwidth_bytes_per_s: float | None = None,
+    seed_salt: str | None = None,
+    data_use: str | None = None,
 ) -> dict[str, Any]:
     """The ``peers.json`` document: ``points`` give identity and run ids, the rest is computed.
 
@@ -1055,17 +1122,22 @@ def build_peers(
     document schema 1.3 (the 1.2 layout; ``targets`` default to :func:`targets_for` it), or 1.4
     with ``read_bandwidth_bytes_per_s`` (the 1.3 layout with the streaming-read floor);
     ``schema_version`` ("1.2", "1.3" or "1.4") rebuilds an earlier pooled document as it was
-    written.  Only 1.4 documents carry the read bandwidth: the other layouts have no place for
-    it, and leave it out.
+    written.  Only 1.4 and 1.5 documents carry the read bandwidth: the other layouts have no
+    place for it, and leave it out.  ``seed_salt`` (with the read bandwidth and instances) makes
+    the document 1.5: judged against the incumbent, with ``data_use`` ("test" or "development").
     """
     pooled = any(p.get("instances") for p in points)
     if pooled and (rule != "verdict" or hot_shares is None or trace_classes is None):
         raise ValueError("points with instances need rule 'verdict', hot shares and trace classes")
     version = SINGLE_INSTANCE_VERSION if rule else "1.0"
     if pooled:
-        version = "1.3" if read_bandwidth_bytes_per_s is None else SCHEMA_VERSION
+        version = "1.3" if read_bandwidth_bytes_per_s is None else "1.4"
+        if seed_salt is not None and read_bandwidth_bytes_per_s is not None:
+            version = SCHEMA_VERSION
         if schema_version in ("1.2", *HELDOUT_VERSIONS):
             version = schema_version
+    if version in INCUMBENT_VERSIONS and (seed_salt is None or data_use not in DATA_USES):
+        raise ValueError(f"a {version} document needs a seed salt and a data use in {DATA_USES}")
     read = read_bandwidth_bytes_per_s if version in READ_BANDWIDTH_VERSIONS else None
     rows = []
     for p in points:
@@ -1100,6 +1172,7 @@ def build_peers(
         decode_max_tokens,
         bandwidth_bytes_per_s=bandwidth_bytes_per_s,
         read_bandwidth_bytes_per_s=read,
+        incumbent=version in INCUMBENT_VERSIONS,
     )
     if targets is None:
         targets = targets_for(version)
@@ -1122,6 +1195,9 @@ def build_peers(
     if rule is not None:
         doc["rule"] = rule
         doc["routing_source"] = routing_source
+    if version in INCUMBENT_VERSIONS:
+        doc["seed_salt"] = seed_salt
+        doc["data_use"] = data_use
     return doc
 
 
@@ -1131,13 +1207,13 @@ def to_json(doc: Mapping[str, Any]) -> dict[str, Any]:
     1.4 read bandwidth) are left out where they are null, so a document of an earlier layout
     keeps its fields."""
     out = PeersDoc.model_validate(doc).to_json_dict()
-    for key in ("rule", "routing_source"):  # fields of the verdict layout only
+    for key in ("rule", "routing_source", "seed_salt", "data_use"):  # later layouts' fields
         if out.get(key) is None:
             out.pop(key, None)
     for p in out["points"]:
         if p.get("instances") is None:
             p.pop("instances", None)
-    for key in INSTANCE_FIGURES:
+    for key in (*INSTANCE_FIGURES, *INCUMBENT_FIGURES):
         if out["figures"].get(key) is None:
             out["figures"].pop(key, None)
     if out.get("read_bandwidth_bytes_per_s") is None:

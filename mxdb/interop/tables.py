@@ -7,15 +7,17 @@ for both GEMMs.  So a table mxdb writes must hold a row at every M vLLM's tuner 
 (``vllm.TUNER_BATCH_SIZES``, 1 ... 4096), and every row must be a config that was measured
 as one config for both GEMMs.  Each row, for the chosen fingerprint, dtype and routing class:
 
-1. a ``baseline`` record at that M: the tuner measured that nothing beat FlagGems' choice,
-   so the row is FlagGems' config (the dispatcher answers the same there);
+1. a ``baseline`` record at that M: the tuner measured that nothing beat FlagGems' choice;
+   the row is the incumbent's (step 5's vLLM row at that M, which the dispatcher answers there
+   too), else FlagGems' config;
 2. else a ``parity`` record's config (a peer's row at parity with FlagGems' choice, which the
    dispatcher answers there);
 3. else the verified *uniform* entry with the highest speedup;
 4. else, where the verified entry is split (two GEMM configs, another alignment block or
    another implementation than FlagGems', which these tables cannot express), the best single config the tuner measured beside it
    (a ``tune-single`` record), else the baseline config that entry was measured against;
-5. else vLLM's own row at that M, from a vLLM table imported for the same device;
+5. else vLLM's own row at that M (the incumbent, :mod:`mxdb.incumbent`), from a vLLM table
+   imported for the same device, else from vLLM's table for that device shipped with mxdb;
 6. else (no measurement and no imported vLLM table) the row of the nearest M decided above,
    which is the row vLLM itself would have used with a shorter table; such rows are listed.
 
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from mxdb.configs import GemmConfig, KernelConfig
 from mxdb.errors import ConfigError, UsageError
+from mxdb.incumbent import TABLE_DTYPES, imported_vllm_rows, shipped_tables
 from mxdb.interop import vllm
 from mxdb.models import DECIDED_STATUSES, SINGLE_SOURCE, Entry, Fingerprint
 from mxdb.resources import flaggems_default_config
@@ -140,7 +143,10 @@ def build(
     for e in entries:
         key = (int(e.dims["experts"]), int(e.dims["intermediate"]))
         by_family.setdefault(key, []).append(e)
-    peers = _imported_vllm_rows(store, dtype, vllm.device_key(device))
+    peers = dict(imported_vllm_rows(store, dtype, vllm.device_key(device)))
+    if dtype in TABLE_DTYPES:
+        for key, (_, shipped) in shipped_tables(device).items():
+            peers.setdefault(key, shipped)
     for (experts, inter), fam in sorted(by_family.items()):
         table = Table(experts, inter)
         decided: dict[int, Row] = {}
@@ -149,6 +155,10 @@ def build(
             if row is not None:
                 decided[tokens] = row
         peer = peers.get((experts, inter), {})
+        for tokens, row in decided.items():
+            if row.source == "baseline" and peer:
+                # what nothing measured beats is answered by the incumbent's row
+                decided[tokens] = Row(peer[vllm.nearest(peer, tokens)], "vllm", row.entry_id)
         for tokens in sorted(set(batch_sizes) | set(decided)):
             if tokens in decided:
                 table.rows[tokens] = decided[tokens]
@@ -222,28 +232,6 @@ def _uniform_gemm(e: Entry) -> GemmConfig | None:
     except ConfigError:
         return None
     return cfg.gemm1 if cfg.single else None
-
-
-def _imported_vllm_rows(
-    store: Store, dtype: str, device: str
-) -> dict[tuple[int, int], dict[int, GemmConfig]]:
-    """vLLM's own rows for ``device``, from imported unquantized tables (no dtype in the name)."""
-    out: dict[tuple[int, int], dict[int, GemmConfig]] = {}
-    for e in store.entries(op=MOE_OP, dtype=dtype, status="imported", source="vllm"):
-        if vllm.device_key(e.device_name) != device:
-            continue
-        try:
-            name = vllm.parse_table_name(e.evidence or "")
-        except Exception:
-            continue
-        if name.dtype or name.block_shape:
-            continue
-        cfg = _uniform_gemm(e)
-        if cfg is None:
-            continue
-        key = (int(e.dims["experts"]), int(e.dims["intermediate"]))
-        out.setdefault(key, {})[e.tokens] = cfg
-    return out
 
 
 def imported_tables(store: Store) -> dict[str, dict[int, GemmConfig]]:

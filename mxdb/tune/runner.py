@@ -428,7 +428,7 @@ def measure_point(
         cache[key] = space
     prefix = f"{_job_tag(job)}-{_point_tag(claim.key)}-{uuid.uuid4().hex[:6]}"
     incumbents = _incumbents(store, shape, replay.routing_class, fingerprint_hash)
-    rows = peer_seeds(store, shape)
+    rows = _with_incumbent_row(store, shape, fingerprint_hash, peer_seeds(store, shape))
 
     def rin(t: Trace) -> RoutingInput:
         return RoutingInput(t.ids, t.trace_hash, t.routing_class)
@@ -487,6 +487,21 @@ def measure_point(
     entries = [e.model_copy(update={"job": job}) for e in (entry, single) if e is not None]
     measurements = [m.model_copy(update={"job": job}) for m in result.measurements]
     return measurements, entries, rejections
+
+
+def _with_incumbent_row(
+    store: Store, shape: MoEShape, fingerprint_hash: str, rows: list[KernelConfig]
+) -> list[KernelConfig]:
+    """The peer rows of a point and the incumbent's table row for this device (a shipped vLLM
+    table's row, :mod:`mxdb.incumbent`), so that every point is measured against what the
+    user runs today: a baseline or parity record then says so of the incumbent too."""
+    from mxdb.incumbent import incumbent
+
+    fp = store.get_fingerprint(fingerprint_hash)
+    inc = incumbent(shape, fp.device_name if fp is not None else None)
+    if not inc.is_table_row or any(r.hash == inc.config.hash for r in rows):
+        return rows
+    return [*rows, inc.config]
 
 
 def _dedup_configs(configs: Sequence[KernelConfig]) -> list[KernelConfig]:
