@@ -16,7 +16,8 @@ of the call's, and its routing class is the same or adjacent.  A ``baseline``
 entry (the tuner measured that key and nothing beat FlagGems' own choice) takes
 part in that choice like a verified one, and outranks verified entries of the
 same key (traces of one routing class that disagree); when it is the closest,
-the answer is what nothing measured answers (below) with reason ``baseline_measured``.  A
+the answer is the fallback (FlagGems' choice, measured there against every candidate, the
+incumbent's table row among them) with reason ``baseline_measured``.  A
 ``parity`` entry (a peer's table row, or the search's choice, at parity with FlagGems' choice on
 every routing instance measured, and faster pooled over them) answers its own key only, with
 reason ``parity``;
@@ -35,7 +36,8 @@ cached like every other one, and kept across store refreshes (a model's answer d
 key alone).  The model's choice answers only where it is also predicted at least the gate's
 speedup over the incumbent's table row (else ``prediction_not_over_incumbent``).
 
-What neither the store nor the model answers is answered by the incumbent (:mod:`mxdb.incumbent`):
+What neither the store nor the model answers (other than a baseline record's answer) is
+answered by the incumbent (:mod:`mxdb.incumbent`):
 the row of vLLM's table for this device and shape (imported into the store, else shipped with
 mxdb), at level ``incumbent`` with the reason the store gave and ``source`` naming the table
 and row; only where no table covers the device and shape is the answer the fallback (no
@@ -446,7 +448,13 @@ class Dispatcher:
         table row where one exists for this device and shape (:meth:`_incumbent`).
         """
         decision = self._resolve(shape, routing)
-        if decision.config is None and self.options.incumbent:
+        # a baseline record measured FlagGems' choice against every candidate there, the
+        # incumbent's row among them (the tuner times it as a peer row): its answer stands
+        if (
+            decision.config is None
+            and self.options.incumbent
+            and decision.reason != "baseline_measured"
+        ):
             return self._incumbent(shape, decision)
         return decision
 

@@ -259,8 +259,7 @@ def test_every_bundle_carries_its_keys_entries_when_routings_share_a_class(
 
 def test_points_where_flaggems_wins_are_stored_as_baseline_records(tmp_path: Path) -> None:
     """When nothing beats FlagGems' choice beyond the noise, the key is stored as a
-    ``baseline`` entry (FlagGems' config), so the dispatcher answers what nothing measured
-    answers there (the incumbent)."""
+    ``baseline`` entry (FlagGems' config), so the dispatcher answers FlagGems' choice there."""
     from mxdb import pointverdict
     from mxdb.dispatcher import Dispatcher
     from mxdb.tune.search import SearchResult
@@ -318,9 +317,8 @@ def test_points_where_flaggems_wins_are_stored_as_baseline_records(tmp_path: Pat
         store.put_fingerprint(be.fingerprint())
         store.add_entries([entry.model_copy(update={"fingerprint_hash": be.fingerprint().hash})])
         d = Dispatcher(store, be.fingerprint()).dispatch(shape, "uniform")
-        # nothing measured beats FlagGems' choice: the incumbent's row answers (vLLM's rule
-        # maps FAKE_H200 to the shipped NVIDIA_H200 tables)
-        assert (d.level, d.reason) == ("incumbent", "baseline_measured")
+        # measured: nothing beat FlagGems' choice (the incumbent's row among the candidates)
+        assert (d.level, d.reason, d.config) == ("fallback", "baseline_measured", None)
 
 
 class _SlowOn(FakeBackend):

@@ -7,9 +7,9 @@ for both GEMMs.  So a table mxdb writes must hold a row at every M vLLM's tuner 
 (``vllm.TUNER_BATCH_SIZES``, 1 ... 4096), and every row must be a config that was measured
 as one config for both GEMMs.  Each row, for the chosen fingerprint, dtype and routing class:
 
-1. a ``baseline`` record at that M: the tuner measured that nothing beat FlagGems' choice;
-   the row is the incumbent's (step 5's vLLM row at that M, which the dispatcher answers there
-   too), else FlagGems' config;
+1. a ``baseline`` record at that M: the tuner measured that nothing beat FlagGems' choice
+   (the incumbent's row among the candidates), so the row is FlagGems' config (the dispatcher
+   answers the same there);
 2. else a ``parity`` record's config (a peer's row at parity with FlagGems' choice, which the
    dispatcher answers there);
 3. else the verified *uniform* entry with the highest speedup;
@@ -155,10 +155,6 @@ def build(
             if row is not None:
                 decided[tokens] = row
         peer = peers.get((experts, inter), {})
-        for tokens, row in decided.items():
-            if row.source == "baseline" and peer:
-                # what nothing measured beats is answered by the incumbent's row
-                decided[tokens] = Row(peer[vllm.nearest(peer, tokens)], "vllm", row.entry_id)
         for tokens in sorted(set(batch_sizes) | set(decided)):
             if tokens in decided:
                 table.rows[tokens] = decided[tokens]
