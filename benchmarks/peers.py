@@ -243,7 +243,7 @@ def run(a: argparse.Namespace) -> None:
     from mxdb.dispatcher import Dispatcher, DispatchOptions
     from mxdb.interop.export import import_export, read_export
     from mxdb.routing_gen import generate
-    from mxdb.shapes import preset_shape
+    from mxdb.shapes import family_shape
     from mxdb.store import Store
 
     t_start = time.monotonic()
@@ -252,6 +252,7 @@ def run(a: argparse.Namespace) -> None:
         "fingerprint": backend.fingerprint().components(),
         "seed_salt": a.salt if a.heldout else None,
         "data_use": a.data_use if a.heldout else None,
+        "zero_shot": bool(a.zero_shot),
         "points": [],
         "errors": [],
     }
@@ -271,7 +272,21 @@ def run(a: argparse.Namespace) -> None:
         )
         doc["rule"] = "verdict"
         doc["instances"] = a.instances
-    if a.store_export and Path(a.store_export).exists():
+    if a.zero_shot:
+        # families the store never measured: an empty store, the model answering as the
+        # fingerprint it was trained under (its bundle's), else the incumbent
+        from mxdb.fingerprint import load_fingerprint
+
+        model_dir = Path(a.perf_model)
+        fp = load_fingerprint(model_dir / "fingerprint.json")
+        store = Store.open(f"sqlite:///{tempfile.mkdtemp()}/zero-shot.sqlite")
+        doc["dispatch_fingerprint"] = fp.hash
+        doc["dispatch_fingerprint_is_live"] = fp.hash == backend.fingerprint().hash
+        doc["perf_model"] = str(model_dir)
+        dispatcher = Dispatcher(
+            store, fp, DispatchOptions(policy="strict", model=model_dir / "model.json")
+        )
+    elif a.store_export and Path(a.store_export).exists():
         exp = read_export(a.store_export)
         tmp = tempfile.mkdtemp()
         store = Store.open(f"sqlite:///{tmp}/peers.sqlite")
@@ -287,9 +302,9 @@ def run(a: argparse.Namespace) -> None:
         doc["errors"].append(f"store export {a.store_export} not found: (c) is FlagGems' choice")
     out = Path(a.out)
     atomic_json(out, doc)
-    for preset in FAMILIES:
+    for preset in a.families:
         device_name = str(backend.fingerprint().device_name)
-        fam = preset_shape(preset, 1, "bf16")
+        fam = family_shape(preset, 1, "bf16")
         w1, w2 = make_weights(fam, 0, "cuda")
         if dispatcher is not None:
             doc.setdefault("dispatch_cost", {})[preset] = dispatch_cost(
@@ -458,7 +473,7 @@ def publish(raw_path: Path, bundle: Path) -> None:
     from mxdb.evidence.summary import load_runs
     from mxdb.evidence.writer import BundleWriter, finish_bundle, staging_dir
     from mxdb.models import Fingerprint
-    from mxdb.shapes import preset_shape
+    from mxdb.shapes import family_shape
 
     raw = json.loads(raw_path.read_text())
     fp = Fingerprint(**raw["fingerprint"])
@@ -475,7 +490,7 @@ def publish(raw_path: Path, bundle: Path) -> None:
     def record(p: dict[str, Any], inst: dict[str, Any], base: str, group: str) -> str:
         """Write one comparison's trace and runs (``inst``: a single-instance point or one
         instance of a point); returns the trace hash."""
-        shape = preset_shape(p["family"], p["tokens"], "bf16")
+        shape = family_shape(p["family"], p["tokens"], "bf16")
         th = w.add_trace(
             inst["ids"],
             experts=shape.experts,
@@ -508,7 +523,7 @@ def publish(raw_path: Path, bundle: Path) -> None:
         return th
 
     for p in raw["points"]:
-        base = f"{SHORT[p['family']]}-m{p['tokens']}-{p['routing']}"
+        base = f"{SHORT.get(p['family'], p['family'])}-m{p['tokens']}-{p['routing']}"
         if "instances" not in p:  # one routing instance per point (schema 1.0 / 1.1)
             th = record(p, p, base, p["routing"])
             points.append(
@@ -529,7 +544,7 @@ def publish(raw_path: Path, bundle: Path) -> None:
         for inst in p["instances"]:
             i = inst["instance"]
             th = record(p, inst, f"{base}-i{i}", f"{p['routing']}-instance{i}")
-            shape = preset_shape(p["family"], p["tokens"], "bf16")
+            shape = family_shape(p["family"], p["tokens"], "bf16")
             classes[th] = trace_class(inst["ids"], shape.experts)
             if classes[th] != inst["routing_class"]:
                 errors.append(
@@ -571,6 +586,7 @@ def publish(raw_path: Path, bundle: Path) -> None:
         read_bandwidth_bytes_per_s=raw.get("read_bandwidth_bytes_per_s"),
         seed_salt=raw.get("seed_salt"),
         data_use=raw.get("data_use"),
+        zero_shot=bool(raw.get("zero_shot")),
     )
     doc = to_json(doc)
     atomic_write(tmp / PEERS_FILE, dumps(doc))
@@ -588,7 +604,7 @@ def plots(doc: dict[str, Any], out: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    for fam in FAMILIES:
+    for fam in sorted({r["family"] for r in f["points"]}):
         fig, axes = plt.subplots(1, 3, figsize=(15, 4), sharey=True)
         for ax, routing in zip(axes, ROUTINGS, strict=True):
             rows = [r for r in f["points"] if r["family"] == fam and r["routing"] == routing]
@@ -601,7 +617,7 @@ def plots(doc: dict[str, Any], out: Path) -> None:
         axes[0].set_ylabel("fraction of memory-bound floor (GPU time)")
         axes[0].legend()
         fig.tight_layout()
-        fig.savefig(out / f"floor-{SHORT[fam]}.png", dpi=80)
+        fig.savefig(out / f"floor-{SHORT.get(fam, fam)}.png", dpi=80)
         plt.close(fig)
 
 
@@ -611,6 +627,20 @@ def main() -> None:
     r = sub.add_parser("run")
     r.add_argument("out")
     r.add_argument("--store-export", default="evidence/store-export.json")
+    r.add_argument(
+        "--families",
+        type=lambda v: v.split(","),
+        default=list(FAMILIES),
+        help="comma-separated model presets or family keys (E8-H4096-I3584-k2) to time "
+        f"(default: {','.join(FAMILIES)})",
+    )
+    r.add_argument(
+        "--zero-shot",
+        action="store_true",
+        help="families the store never measured: (c) is what an empty store with the "
+        "performance model (--perf-model) answers, else the incumbent (needs --heldout)",
+    )
+    r.add_argument("--perf-model", default="evidence/h200-perf-model-3")
     r.add_argument(
         "--salt",
         default=None,
@@ -651,6 +681,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.cmd == "run" and a.instances < 1:
         ap.error("--instances must be at least 1")
+    if a.cmd == "run" and a.zero_shot and not a.heldout:
+        ap.error("--zero-shot needs --heldout")
     if a.cmd == "run":
         if a.salt is None:
             import secrets

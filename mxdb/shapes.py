@@ -7,6 +7,7 @@ Validation happens once, when the shape is built.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from mxdb.errors import ShapeError
@@ -198,6 +199,19 @@ def preset_shape(name: str, tokens: int, dtype: object = "bf16") -> MoEShape:
         raise ShapeError(
             f"unknown model preset {name!r}; known presets: {', '.join(sorted(PRESETS))}"
         ) from None
+    return MoEShape(e, h, i, k, tokens, dtype)
+
+
+_FAMILY_KEY = re.compile(r"^E(\d+)-H(\d+)-I(\d+)-k(\d+)$")
+
+
+def family_shape(name: str, tokens: int, dtype: object = "bf16") -> MoEShape:
+    """The MoE shape of a known model preset, or of a family key (``E8-H4096-I3584-k2``, as
+    :attr:`MoEShape.family` writes it), at ``tokens`` tokens."""
+    match = _FAMILY_KEY.match(name)
+    if match is None:
+        return preset_shape(name, tokens, dtype)
+    e, h, i, k = (int(g) for g in match.groups())
     return MoEShape(e, h, i, k, tokens, dtype)
 
 

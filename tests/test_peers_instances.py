@@ -612,6 +612,9 @@ def test_heldout_run_times_each_instance_on_its_own(
         instances=3,
         salt="s1",
         data_use="test",
+        families=list(peers.FAMILIES),
+        zero_shot=False,
+        perf_model=None,
     )
     peers.run(a)
     raw = json.loads(out.read_text())

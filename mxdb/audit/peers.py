@@ -34,7 +34,7 @@ from mxdb.evidence.peers import (
     trace_class,
     trace_figures,
 )
-from mxdb.shapes import preset_shape
+from mxdb.shapes import family_shape
 
 _POINT_CODES: dict[str, str] = {
     "median_us": "median_mismatch",
@@ -186,7 +186,7 @@ def _runs_problems(
         if run.get("trace_hash") != p["trace_hash"]:
             problems.append(("trace_hash", p["trace_hash"], run.get("trace_hash")))
         try:
-            want = preset_shape(p["family"], p["tokens"], run["shape"]["dtype"]).to_dict()
+            want = family_shape(p["family"], p["tokens"], run["shape"]["dtype"]).to_dict()
         except Exception:  # an unknown family: the shape cannot match
             want = {"family": p["family"]}
         if want != run["shape"]:
@@ -206,7 +206,7 @@ def _runs_problems(
             )
             bad = True
     reason = p.get("dispatch_reason_c")
-    if reason is not None and reason not in ENTRY_REASONS:
+    if reason is not None and reason not in (*ENTRY_REASONS, "predicted"):
         # a fallback runs FlagGems' choice (a); against the incumbent (schema 1.5) it runs the
         # incumbent's row (b) where the device has a table, which is (b) by construction
         allowed = ("a", "b") if ctx.doc.get("schema_version") in INCUMBENT_VERSIONS else ("a",)
@@ -264,6 +264,7 @@ def _figures(doc: Mapping[str, Any], ctx: Context) -> Mapping[str, Any]:
         read_bandwidth_bytes_per_s=doc.get("read_bandwidth_bytes_per_s"),
         seed_salt=doc.get("seed_salt"),
         data_use=doc.get("data_use"),
+        zero_shot=bool(doc.get("zero_shot")),
     )
 
 
@@ -274,7 +275,7 @@ KIND = ClaimKind(
     codes=_code,
     units=(Unit("points", check=_point_ok),),
     figures=_figures,
-    targets=lambda doc: targets_for(doc["schema_version"]),
+    targets=lambda doc: targets_for(doc["schema_version"], bool(doc.get("zero_shot"))),
     settings=DECODE_SETTING,
     whole_document=True,
     report=(REPORT_FILE, render),

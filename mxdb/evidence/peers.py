@@ -304,11 +304,33 @@ INCUMBENT_TARGETS: tuple[TargetSpec, ...] = (
 )
 
 
-def targets_for(schema_version: str) -> tuple[TargetSpec, ...]:
+#: The targets of a zero-shot comparison (schema 1.5, ``zero_shot``): families the store never
+#: measured, answered by the performance model where it is confident, else by the incumbent.
+ZERO_SHOT_TARGETS: tuple[TargetSpec, ...] = (
+    TargetSpec(
+        name="zero_shot_vs_incumbent_geomean",
+        figure="geomean_speedup_c_over_b",
+        comparison="ge",
+        threshold=1.03,
+        statement="zero-shot, fresh held-out routing: geomean speedup of mxdb's dispatch (c: "
+        "the performance model, else the incumbent) over the incumbent (b) of at least 1.03x",
+    ),
+    TargetSpec(
+        name="zero_shot_never_slower_than_incumbent",
+        figure="points_c_slower_than_b_3pct",
+        comparison="le",
+        threshold=0.0,
+        statement="zero-shot: no point where (c) is slower than the incumbent (b) by the "
+        "verdict rule and by more than 3%",
+    ),
+)
+
+
+def targets_for(schema_version: str, zero_shot: bool = False) -> tuple[TargetSpec, ...]:
     """The targets a document of ``schema_version`` is judged on (1.3, 1.4: held-out routing;
-    1.5: against the incumbent)."""
+    1.5: against the incumbent, ``zero_shot``: for families the store never measured)."""
     if schema_version in INCUMBENT_VERSIONS:
-        return INCUMBENT_TARGETS
+        return ZERO_SHOT_TARGETS if zero_shot else INCUMBENT_TARGETS
     return HELDOUT_TARGETS if schema_version in HELDOUT_VERSIONS else TARGETS
 
 
@@ -409,7 +431,9 @@ INSTANCE_FIGURES: tuple[str, ...] = (
 #: read bandwidth).
 READ_BANDWIDTH_FIGURES: tuple[str, ...] = ("decode_geomean_floor_fraction_c_read",)
 #: The figures of documents judged against the incumbent (schema 1.5).
-INCUMBENT_FIGURES: tuple[str, ...] = ("points_d_faster_than_c",)
+INCUMBENT_FIGURES: tuple[str, ...] = ("points_d_faster_than_c", "points_c_slower_than_b_3pct")
+#: How much slower than the incumbent a zero-shot point may be before it counts.
+ZERO_SHOT_SLACK = 0.03
 #: Explanations of schema 1.2 (absent from older documents).
 INSTANCE_EXPLANATIONS: tuple[str, ...] = ("instances_c_slower_than_a", "instances_c_slower_than_b")
 
@@ -586,6 +610,10 @@ class PeerFigures(_Doc):
         default=None,
         description="schema 1.5: points where (d) is faster than (c) beyond the noise band",
     )
+    points_c_slower_than_b_3pct: int | None = Field(
+        default=None,
+        description="schema 1.5: points where (c) is slower than (b) and by more than 3%",
+    )
     geomean_c_over_d_where_changed: float | None = Field(
         description="geomean of median(d) / median(c) over points where (d) differs"
     )
@@ -608,6 +636,7 @@ class PeersDoc(_Doc):
         "read_bandwidth_bytes_per_s",
         "seed_salt",
         "data_use",
+        "zero_shot",
     )
 
     schema_name: Literal["mxdb.peers"] = Field(default="mxdb.peers", alias="schema")
@@ -646,6 +675,11 @@ class PeersDoc(_Doc):
     seed_salt: str | None = Field(
         default=None,
         description="schema 1.5: the salt of this run's held-out seeds (drawn for it, once)",
+    )
+    zero_shot: bool | None = Field(
+        default=None,
+        description="schema 1.5: families the store never measured, (c) answered by the "
+        "performance model or the incumbent (judged on the zero-shot targets)",
     )
     data_use: Literal["test", "development"] | None = Field(
         default=None,
@@ -982,6 +1016,11 @@ def aggregate(
     }
     if incumbent:
         out["points_d_faster_than_c"] = sum(1 for r in points if r.get("d_faster_than_c"))
+        out["points_c_slower_than_b_3pct"] = sum(
+            1
+            for r in points
+            if r["c_slower_than_b"] and float(r["speedup_c_over_b"]) < 1.0 - ZERO_SHOT_SLACK
+        )
     if bandwidth_bytes_per_s is not None and read_bandwidth_bytes_per_s is not None:
         # floor_us = bytes / bandwidth at every point, so the read floor is the copy floor
         # scaled by copy / read, and so is each fraction and their geomean
@@ -1106,6 +1145,7 @@ def build_peers(
     read_bandwidth_bytes_per_s: float | None = None,
     seed_salt: str | None = None,
     data_use: str | None = None,
+    zero_shot: bool = False,
 ) -> dict[str, Any]:
     """The ``peers.json`` document: ``points`` give identity and run ids, the rest is computed.
 
@@ -1175,7 +1215,7 @@ def build_peers(
         incumbent=version in INCUMBENT_VERSIONS,
     )
     if targets is None:
-        targets = targets_for(version)
+        targets = targets_for(version, zero_shot)
     doc: dict[str, Any] = {
         "schema": SCHEMA,
         "schema_version": version,
@@ -1198,6 +1238,8 @@ def build_peers(
     if version in INCUMBENT_VERSIONS:
         doc["seed_salt"] = seed_salt
         doc["data_use"] = data_use
+        if zero_shot:
+            doc["zero_shot"] = True
     return doc
 
 
@@ -1207,7 +1249,13 @@ def to_json(doc: Mapping[str, Any]) -> dict[str, Any]:
     1.4 read bandwidth) are left out where they are null, so a document of an earlier layout
     keeps its fields."""
     out = PeersDoc.model_validate(doc).to_json_dict()
-    for key in ("rule", "routing_source", "seed_salt", "data_use"):  # later layouts' fields
+    for key in (
+        "rule",
+        "routing_source",
+        "seed_salt",
+        "data_use",
+        "zero_shot",
+    ):  # later layouts' fields
         if out.get(key) is None:
             out.pop(key, None)
     for p in out["points"]:
@@ -1238,10 +1286,13 @@ def _num(x: float | None) -> str:
 
 
 def _even_share(family: str) -> float | None:
-    from mxdb.shapes import PRESETS
+    from mxdb.errors import ShapeError
+    from mxdb.shapes import family_shape
 
-    dims = PRESETS.get(family)
-    return None if dims is None else 1.0 / dims[0]
+    try:
+        return 1.0 / family_shape(family, 1).experts
+    except ShapeError:
+        return None
 
 
 def _point_name(ref: Mapping[str, Any]) -> str:
