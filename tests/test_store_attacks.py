@@ -116,7 +116,9 @@ def test_a_baseline_record_promoted_to_verified_is_caught(bundles: Path) -> None
     export = _load(b / EXPORT)
     export["entries"][i]["status"] = "verified"
     _save_and_remanifest(b, EXPORT, export)
-    assert "store_export.unbacked_entry" in _checks(bundles)
+    # bound to the baseline decision of its evidence run: the status is named
+    found = {(f.check, f.field) for f in audit_paths([bundles]).findings}
+    assert ("store_export.field_mismatch", f"entries[{i}].status") in found
 
 
 def test_a_single_config_record_is_remade_from_its_runs(bundles: Path) -> None:

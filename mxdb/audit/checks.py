@@ -108,8 +108,8 @@ class _BundleAudit:
         self.n_runs = 0
         self.backed: list[dict[str, Any]] = []
         self.deferred: list[tuple[str, str, dict[str, Any]]] = []
-        self.backing: list[tuple[str, str, str, float | None, float | None, float | None]] = []
-        self.decode: list[tuple[Any, ...]] = []
+        self.backing: list[dict[str, Any]] = []
+        self.decode: list[dict[str, Any]] = []
 
     def add(self, check: str, file: str, field: str, expected: Any, found: Any, msg: str) -> None:
         self.findings.append(
@@ -528,7 +528,8 @@ class _BundleAudit:
                 if doc is not None:
                     audit_claim(kind, self, doc, ctx, tol)
                     if kind is decode.KIND:  # what a shipped export's decode entries must match
-                        self.decode += decode.decisions(doc)
+                        device = (self.fp_components or {}).get("device_name")
+                        self.decode += decode.decisions(doc, device, self.root.name)
 
     def check_trace(self, rel: str, doc: dict[str, Any]) -> bool:
         ids = doc["ids"]

@@ -14,9 +14,13 @@ from typing import Any
 
 from mxdb.audit.claims import ClaimKind, Context, Path_, Unit
 from mxdb.audit.findings import FindingSink
+from mxdb.configs import config_hash
+from mxdb.decode_rule import ROUTING_CLASS
+from mxdb.errors import ShapeError
 from mxdb.evidence import stats
 from mxdb.evidence.decode import STOCK, case_claims, model_claims
 from mxdb.evidence.thresholds import THRESHOLDS
+from mxdb.shapes import OpShape
 
 
 def _case_ok(sink: FindingSink, rel: str, where: str, case: Mapping[str, Any], _: Context) -> bool:
@@ -69,18 +73,43 @@ def _model_figures(model: Mapping[str, Any], _: Context) -> Mapping[str, Any]:
     return {"claims": claims, "meets_target": meets}
 
 
-def decisions(doc: Mapping[str, Any]) -> list[tuple[Any, ...]]:
-    """The document's decided cases ``(op, dtype, dims with tokens, winner, speedup, noise
-    band)``: what a shipped store export's decode entries must match."""
+def decisions(doc: Mapping[str, Any], device_name: str | None, bundle: str) -> list[dict[str, Any]]:
+    """The entries the document's decided cases back, as the decode tuner writes them
+    (``mxdb.tune.decode``): what a shipped store export's decode entries must equal.
+    ``device_name`` is the bundle fingerprint's, ``bundle`` the folder name an entry's
+    evidence names."""
     out = []
     for c in doc["cases"]:
         claims = c.get("claims") or {}
         if claims.get("winner"):
-            dims = tuple(sorted({**c["dims"], "tokens": c["tokens"]}.items()))
+            config = {"impl": claims["winner"]}
+            try:
+                family: str | None = OpShape(c["op"], c["dims"], c["tokens"], c["dtype"]).family
+            except ShapeError:  # no entry can be of a shape that is none
+                family = None
             out.append(
-                (c["op"], c["dtype"], dims, claims["winner"],
-                 claims.get("speedup"), claims.get("noise_band"))
-            )  # fmt: skip
+                {
+                    "op": c["op"],
+                    "dtype": c["dtype"],
+                    "family": family,
+                    "dims": {**c["dims"], "tokens": c["tokens"]},
+                    "tokens": c["tokens"],
+                    "routing_class": ROUTING_CLASS,
+                    "config": config,
+                    "config_hash": config_hash(config),
+                    "fingerprint_hash": doc["fingerprint_hash"],
+                    "device_name": device_name,
+                    "status": "verified",
+                    "source": "tune",
+                    "speedup": claims.get("speedup"),
+                    "noise_band": claims.get("noise_band"),
+                    "median_us": claims.get("winner_median_us"),
+                    "baseline_us": claims.get("baseline_median_us"),
+                    "evidence": bundle,
+                    "confidence": None,
+                    "validation": None,
+                }
+            )
     return out
 
 

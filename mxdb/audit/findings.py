@@ -86,12 +86,20 @@ CHECKS: dict[str, str] = {
     "summary.floor_mismatch": "a memory-floor figure differs from the recomputed one",
     "summary.field_mismatch": "another summary field differs from its recomputation",
     "store_export.missing": "a tuning bundle whose points decided entries has no store export",
-    "store_export.unbacked_entry": "an exported entry that no runs of its bundle support",
-    "store_export.field_mismatch": "an exported entry's status, key or figure differs from its runs",
+    "store_export.unbacked_entry": "an exported entry that no audited bundle's runs support",
+    "store_export.field_mismatch": (
+        "a field of an exported entry (key, device, status, figure, validation record) differs "
+        "from the entry recomputed from the runs of its evidence"
+    ),
+    "store_export.duplicate_entry": "two exported entries rest on one decision (one run)",
+    "shipped_export.duplicate_entry": "two shipped entries rest on one decision",
     "store_export.status_invalid": "an exported tune entry with a status a tune never writes",
     "fingerprint.missing": "a bundle with runs or a store export has no fingerprint.json",
     "shipped_export.unbacked_entry": "an entry of a shipped store export found in no bundle",
-    "shipped_export.field_mismatch": "a shipped entry differs from the bundle entry it came from",
+    "shipped_export.field_mismatch": (
+        "a field of a shipped entry differs from the bundle entry (or decode-op decision) "
+        "that backs it"
+    ),
     "report.speedup_mismatch": "a report's speedup differs from the recomputed one",
     "report.noise_band_mismatch": "a report's noise band differs from the recomputed one",
     "report.median_mismatch": "a report's median differs from the recomputed one",
@@ -325,11 +333,11 @@ class BundleResult:
     #: entries whose evidence run is not in this bundle: (file, field, entry), resolved
     #: against the other bundles of the same audit
     deferred: tuple[tuple[str, str, dict[str, Any]], ...] = ()
-    #: run ids that back an entry (best of a verified group, baseline of an unverified one),
-    #: with the config hash they back
-    backing: tuple[tuple[str, str, str, float | None, float | None, float | None], ...] = ()
-    #: decode-op decisions (op, dtype, family, tokens, impl, speedup, noise band)
-    decode: tuple[tuple[Any, ...], ...] = ()
+    #: the entries this bundle's runs back, recomputed (key, figures, validation), each naming
+    #: the run it rests on (``evidence``)
+    backing: tuple[dict[str, Any], ...] = ()
+    #: the entries this bundle's decode-op decisions back (``mxdb.audit.decode.decisions``)
+    decode: tuple[dict[str, Any], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return {

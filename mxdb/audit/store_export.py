@@ -1,14 +1,19 @@
 """The store export of a bundle, rebuilt from its runs: no entry without runs behind it.
 
 A tuning bundle's ``store_export.json`` is what ``mxdb import mxdb`` loads and the dispatcher
-answers from, so the audit does not take it on trust.  For bundles whose runs name their
-tuning point (run schema 1.1), every point's decision is made again from the raw samples with
-the tuner's own rule (:func:`mxdb.pointverdict.decide`) and each exported entry must be one of
-those decisions, with the same key, config, status and figures.  For earlier bundles (run
-schema 1.0) each entry must have its evidence run in the bundle, or a comparison group at its
-key that the earlier rule verified with its config, and its speedup and noise band must be
-those of its runs.  An entry with nothing behind it is a finding; so is a decision missing
-from the export.
+answers from, so the audit does not take it on trust.  Every decision is made again from the
+runs: for run schema 1.1 on, each point's with the tuner's own rule
+(:func:`mxdb.pointverdict.decide`) from the raw samples; for run schema 1.0, each comparison
+group's of the earlier rule (a verified group's best run, a baseline nothing beat).  Each
+decision gives the entry it backs (:func:`expected_entry`), and each exported entry is bound to
+the one of the run it names as evidence and its config: its whole key (op, dtype, family,
+dims, tokens, routing class, config, fingerprint, device), its figures, every field of every
+held-out validation record, and its status must be those recomputed; each field that differs
+is a finding naming it.  An entry whose evidence run is in another audited bundle (one tune
+writes a bundle per routing source) is bound there (:func:`resolve_deferred`); an entry with
+nothing behind it, two entries on one decision, and a decision missing from the export are
+findings.  A shipped export (``evidence/store-export.json``) is bound the same way to the
+bundle entries and decode-op decisions of the audit (:func:`check_shipped_export`).
 """
 
 from __future__ import annotations
@@ -24,8 +29,9 @@ from mxdb.audit.compare import TOL, Tol, same
 from mxdb.audit.findings import BundleResult, Finding, FindingSink
 from mxdb.configs import KernelConfig, config_hash
 from mxdb.errors import ConfigError
-from mxdb.evidence.summary import family_of, group_key, run_passes
+from mxdb.evidence.summary import family_of, run_passes
 from mxdb.models import DECIDED_STATUSES, SINGLE_SOURCE
+from mxdb.shapes import MoEShape
 
 
 class ExportSink(FindingSink, Protocol):
@@ -33,7 +39,8 @@ class ExportSink(FindingSink, Protocol):
 
     backed: list[dict[str, Any]]
     deferred: list[tuple[str, str, dict[str, Any]]]
-    backing: list[tuple[str, str, str, float | None, float | None, float | None]]
+    backing: list[dict[str, Any]]
+    fp_components: dict[str, Any] | None
 
 
 F = "store_export.json"
@@ -45,13 +52,90 @@ FIGURES = ("speedup", "noise_band", "median_us", "baseline_us", "confidence")
 STATUSES = (*DECIDED_STATUSES, "rejected", "imported")
 
 
+#: Fields of an entry's key, each recomputed from the runs behind it (exact equality).
+KEY_FIELDS = (
+    "op", "dtype", "family", "dims", "tokens", "routing_class", "config_hash",
+    "fingerprint_hash", "device_name", "evidence",
+)  # fmt: skip
+
+
+def expected_entry(
+    base: Mapping[str, Any],
+    sink: ExportSink,
+    *,
+    status: str,
+    config_hash: str | None,
+    evidence: str | None,
+    figures: Mapping[str, Any],
+    validation: list[dict[str, Any]] | None,
+) -> dict[str, Any]:
+    """The entry a decision backs, its key taken from the run ``base`` of its point and the
+    bundle's fingerprint: what an exported entry naming ``evidence`` must equal."""
+    s = base["shape"]
+    return {
+        "op": base["op"],
+        "dtype": s["dtype"],
+        "family": family_of(s),
+        "dims": {k: s[k] for k in MoEShape.FIELDS},
+        "tokens": s["tokens"],
+        "routing_class": base["routing_class"],
+        "config_hash": config_hash,
+        "fingerprint_hash": sink.fp_hash,
+        "device_name": (sink.fp_components or {}).get("device_name"),
+        "evidence": evidence,
+        "status": status,
+        **figures,
+        "validation": validation,
+    }
+
+
+def _decided_entry(
+    base: Mapping[str, Any], sink: ExportSink, d: pointverdict.PointDecision, status: str
+) -> dict[str, Any]:
+    return expected_entry(
+        base, sink, status=status, config_hash=d.config_hash, evidence=d.evidence,
+        figures={name: getattr(d, name) for name in FIGURES}, validation=list(d.validation),
+    )  # fmt: skip
+
+
+def mismatches(
+    e: Mapping[str, Any], want: Mapping[str, Any], tol: Tol, allowed: Sequence[str]
+) -> list[tuple[str, Any, Any]]:
+    """``(field, recomputed, exported)`` for every field of ``e`` that its recomputation
+    ``want`` does not support: its key, its figures, its held-out validation (every field of
+    every record, token counts and routing classes too) and its status (one of ``allowed``)."""
+    out: list[tuple[str, Any, Any]] = [
+        (name, want[name], e.get(name)) for name in KEY_FIELDS if e.get(name) != want[name]
+    ]
+    for name in FIGURES:
+        if name in want and not same(e.get(name), want[name], *tol):
+            out.append((name, want[name], e.get(name)))
+    out += _validation_mismatches(e.get("validation"), want.get("validation"), tol)
+    if e.get("status") not in allowed:
+        out.append(("status", want["status"], e.get("status")))
+    return out
+
+
+def _validation_mismatches(got: Any, want: Any, tol: Tol) -> list[tuple[str, Any, Any]]:
+    # no validation is written as null or as an empty list
+    got, want = got or None, want or None
+    if same(got, want, *tol):
+        return []
+    if not (isinstance(got, list) and isinstance(want, list) and len(got) == len(want)):
+        return [("validation", want, got)]
+    out: list[tuple[str, Any, Any]] = []
+    for j, (g, w) in enumerate(zip(got, want, strict=True)):
+        if not isinstance(g, dict):
+            out.append((f"validation[{j}]", w, g))
+            continue
+        for k in sorted(set(g) | set(w)):
+            if k not in g or k not in w or not same(g[k], w[k], *tol):
+                out.append((f"validation[{j}].{k}", w.get(k), g.get(k)))
+    return out
+
+
 def _key(e: Mapping[str, Any]) -> tuple[Any, ...]:
     return (e.get("op"), e.get("dtype"), e.get("family"), e.get("tokens"), e.get("routing_class"))
-
-
-def _shipped_key(e: Mapping[str, Any]) -> tuple[Any, ...]:
-    k = _key(e)
-    return (k[0], k[1], k[2], k[3], k[4], e.get("config_hash"), e.get("status"))
 
 
 def check_store_export(
@@ -187,20 +271,13 @@ def _check_decisions(
     tol: Tol,
 ) -> None:
     made = []
-    singles = []
     for base, d, single in _decided(runs):
         s = base["shape"]
         key = (base["op"], s["dtype"], family_of(s), s["tokens"], base["routing_class"])
         made.append((key, base.get("point"), d))
-        sink.backing.append(
-            (str(d.evidence), str(d.config_hash), d.status, d.speedup, d.noise_band, d.confidence)
-        )
+        sink.backing.append(_decided_entry(base, sink, d, d.status))
         if single is not None:
-            singles.append((key, single))
-            sink.backing.append(
-                (str(single.evidence), str(single.config_hash), "imported", single.speedup,
-                 single.noise_band, None)
-            )  # fmt: skip
+            sink.backing.append(_decided_entry(base, sink, single, "imported"))
 
     def backs(key: tuple[Any, ...], d: pointverdict.PointDecision, e: Mapping[str, Any]) -> bool:
         return (
@@ -209,35 +286,7 @@ def _check_decisions(
             and e.get("status") in ALLOWED.get(d.status, ())
         )
 
-    for i, e in enumerate(entries):
-        if e.get("status") == "imported":
-            # a single-config record: one the tuner's rule makes again from its point's runs
-            found = next(
-                (
-                    d
-                    for k, d in singles
-                    if _key(e) == k
-                    and e.get("config_hash") == d.config_hash
-                    and e.get("evidence") == d.evidence
-                ),
-                None,
-            )
-            if found is None:
-                sink.deferred.append((F, f"entries[{i}]", dict(e)))
-            else:
-                _compare_figures(sink, i, e, found, tol)
-                sink.backed.append(dict(e))
-            continue
-        found = next(
-            (d for k, _, d in made if backs(k, d, e) and d.evidence == e.get("evidence")), None
-        )
-        if found is None:
-            # one entry per key and config: it carries the evidence of the first point that
-            # decided it, which may be another routing source's bundle of the same tune
-            sink.deferred.append((F, f"entries[{i}]", dict(e)))
-            continue
-        _compare_figures(sink, i, e, found, tol)
-        sink.backed.append(dict(e))
+    _bind_entries(sink, entries, tol)
     for key, point, d in made:
         # one entry per key and config: another point of the key may carry it
         if any(backs(key, d, e) for e in entries):
@@ -252,43 +301,57 @@ def _check_decisions(
         )
 
 
-def _compare_figures(
-    sink: FindingSink,
-    i: int,
-    e: Mapping[str, Any],
-    d: pointverdict.PointDecision,
-    tol: Tol,
-) -> None:
-    for name in FIGURES:
-        if not same(e.get(name), getattr(d, name), *tol):
+def _backing_index(
+    backing: Iterable[Mapping[str, Any]],
+) -> dict[tuple[str, str], Mapping[str, Any]]:
+    """Recomputed entries by (evidence run, config hash): the run an entry names binds it."""
+    return {(str(b["evidence"]), str(b["config_hash"])): b for b in backing}
+
+
+def _allowed(want: Mapping[str, Any], legacy: bool) -> tuple[str, ...]:
+    if legacy:  # run schema 1.0 records no later trace that could have rejected an entry
+        return (str(want["status"]),)
+    return ALLOWED.get(str(want["status"]), ())
+
+
+def _bind_entries(sink: ExportSink, entries: list[Mapping[str, Any]], tol: Tol) -> None:
+    """Each entry against the decision of the run it names: every field that differs is a
+    finding naming it; an entry naming a run of another bundle waits for the cross-bundle
+    check (:func:`resolve_deferred`); two entries naming one decision are a finding."""
+    index = _backing_index(sink.backing)
+    seen: dict[tuple[str, str], int] = {}
+    for i, e in enumerate(entries):
+        ident = (str(e.get("evidence")), str(e.get("config_hash")))
+        want = index.get(ident)
+        if want is None:
+            # the entry of a key and config carries the evidence of the first point that
+            # decided it, which may be another routing source's bundle of the same tune
+            sink.deferred.append((F, f"entries[{i}]", dict(e)))
+            continue
+        bad = mismatches(e, want, tol, _allowed(want, bool(want.get("legacy"))))
+        for name, expected, found in bad:
             sink.add(
                 "store_export.field_mismatch",
                 F,
                 f"entries[{i}].{name}",
-                getattr(d, name),
-                e.get(name),
+                expected,
+                found,
                 f"the entry's {name} is not the one recomputed from its runs",
             )
-    if e.get("evidence") != d.evidence:
-        sink.add(
-            "store_export.field_mismatch",
-            F,
-            f"entries[{i}].evidence",
-            d.evidence,
-            e.get("evidence"),
-            "the entry's evidence run is not the one its decision rests on",
-        )
-    want = [(v.get("comparison"), bool(v.get("won"))) for v in d.validation]
-    got = [(v.get("comparison"), bool(v.get("won"))) for v in e.get("validation") or []]
-    if want != got:
-        sink.add(
-            "store_export.field_mismatch",
-            F,
-            f"entries[{i}].validation",
-            want,
-            got,
-            "the entry's held-out validation is not the one recomputed from its runs",
-        )
+        if bad:
+            continue
+        if ident in seen:
+            sink.add(
+                "store_export.duplicate_entry",
+                F,
+                f"entries[{i}]",
+                "one entry per decision",
+                f"a second entry backed by run {ident[0]} (first: entries[{seen[ident]}])",
+                "two exported entries rest on one decision",
+            )
+            continue
+        seen[ident] = i
+        sink.backed.append(dict(e))
 
 
 def _check_legacy(
@@ -298,96 +361,9 @@ def _check_legacy(
     runs: Mapping[str, Mapping[str, Any]],
     tol: Tol,
 ) -> None:
-    groups = {g["key"]: g for g in summary["groups"]}
-    by_key: dict[tuple[Any, ...], list[Mapping[str, Any]]] = defaultdict(list)
-    for g in summary["groups"]:
-        by_key[(g["op"], g["dtype"], g["family"], g["tokens"], g["routing_class"])].append(g)
-    for g in summary["groups"]:
-        if g["verified"] and g["best_run"]:
-            sink.backing.append(
-                (g["best_run"], g["best_config_hash"], "verified", g["speedup"], g["noise_band"],
-                 None)
-            )  # fmt: skip
-        elif g["baseline_run"] and g["noise_band"] is not None and g["candidate_runs"]:
-            base = runs[g["baseline_run"]]
-            sink.backing.append(
-                (g["baseline_run"], base["config_hash"], "baseline", 1.0, g["noise_band"], None)
-            )
-    exported: set[tuple[Any, ...]] = set()
-    for i, e in enumerate(entries):
-        exported.add((*_key(e), e.get("config_hash")))
-        run = runs.get(str(e.get("evidence")))
-        if run is not None:
-            g = groups.get(group_key(run))
-            if g is None:
-                continue
-            if _key(e) != (g["op"], g["dtype"], g["family"], g["tokens"], g["routing_class"]):
-                sink.add(
-                    "store_export.field_mismatch",
-                    F,
-                    f"entries[{i}]",
-                    g["key"],
-                    "/".join(map(str, _key(e))),
-                    "the entry's key is not that of its evidence run",
-                )
-            if run["config_hash"] != e.get("config_hash"):
-                sink.add(
-                    "store_export.field_mismatch",
-                    F,
-                    f"entries[{i}].config_hash",
-                    run["config_hash"],
-                    e.get("config_hash"),
-                    "the entry's config is not that of its evidence run",
-                )
-            want_status = "baseline" if run["role"] == "baseline" else "verified"
-            ok_status = (want_status, e.get("status")) in (
-                ("verified", "verified"),
-                ("verified", "rejected"),
-                ("baseline", "baseline"),
-            )
-            if not ok_status or (want_status == "verified" and not g["verified"]):
-                sink.add(
-                    "store_export.field_mismatch",
-                    F,
-                    f"entries[{i}].status",
-                    want_status if g["verified"] or want_status == "baseline" else "not verified",
-                    e.get("status"),
-                    "the entry's status is not what its runs support",
-                )
-            verified = want_status == "verified"
-            want = {
-                "speedup": g["speedup"] if verified else 1.0,
-                "noise_band": g["noise_band"],
-                "median_us": g["best_median_us"] if verified else g["baseline_median_us"],
-                "baseline_us": g["baseline_median_us"],
-            }
-            for name, value in want.items():
-                if not same(e.get(name), value, *tol):
-                    sink.add(
-                        "store_export.field_mismatch",
-                        F,
-                        f"entries[{i}].{name}",
-                        value,
-                        e.get(name),
-                        f"the entry's {name} is not the one recomputed from its runs",
-                    )
-            sink.backed.append(dict(e))
-            continue
-        # a config that won two points of one class carries the first point's evidence, which
-        # may sit in the bundle of another routing source: a group here must back it
-        backed = any(
-            (e.get("status") in ("verified", "rejected") and g["verified"]
-             and g["best_config_hash"] == e.get("config_hash"))
-            or (e.get("status") == "baseline" and not g["verified"] and g["baseline_run"]
-                and runs[g["baseline_run"]]["config_hash"] == e.get("config_hash"))
-            for g in by_key.get(_key(e), [])
-        )  # fmt: skip
-        if backed:
-            sink.backed.append(dict(e))
-        else:
-            # resolved against the other bundles audited with this one (the same tune wrote
-            # one bundle per routing source): unresolved, it is a finding
-            sink.deferred.append((F, f"entries[{i}]", dict(e)))
+    sink.backing.extend(legacy_entries(sink, summary, runs))
+    _bind_entries(sink, entries, tol)
+    exported = {(*_key(e), e.get("config_hash")) for e in entries}
     for g in summary["groups"]:
         if not g["verified"]:
             continue
@@ -403,43 +379,99 @@ def _check_legacy(
             )
 
 
+def legacy_entries(
+    sink: ExportSink, summary: Mapping[str, Any], runs: Mapping[str, Mapping[str, Any]]
+) -> list[dict[str, Any]]:
+    """The entries a run-schema-1.0 bundle's groups back (the earlier rule): a verified
+    group's best run, and the baseline record of a group nothing beat."""
+    out = []
+    for g in summary["groups"]:
+        if g["verified"] and g["best_run"] and g["best_run"] in runs:
+            figures = {
+                "speedup": g["speedup"], "noise_band": g["noise_band"],
+                "median_us": g["best_median_us"], "baseline_us": g["baseline_median_us"],
+            }  # fmt: skip
+            out.append(
+                {**expected_entry(
+                    runs[g["best_run"]], sink, status="verified",
+                    config_hash=g["best_config_hash"], evidence=g["best_run"],
+                    figures=figures, validation=None,
+                ), "legacy": True}
+            )  # fmt: skip
+        elif g["baseline_run"] and g["noise_band"] is not None and g["candidate_runs"]:
+            base = runs[g["baseline_run"]]
+            figures = {
+                "speedup": 1.0, "noise_band": g["noise_band"],
+                "median_us": g["baseline_median_us"], "baseline_us": g["baseline_median_us"],
+            }  # fmt: skip
+            out.append(
+                {**expected_entry(
+                    base, sink, status="baseline", config_hash=base["config_hash"],
+                    evidence=g["baseline_run"], figures=figures, validation=None,
+                ), "legacy": True}
+            )  # fmt: skip
+    return out
+
+
 def resolve_deferred(
     results: Sequence[BundleResult], extra: list[dict[str, Any]] | None = None, tol: Tol = TOL
 ) -> list[Finding]:
-    """Findings for deferred entries that no bundle of the same audit backs.
+    """Findings for deferred entries: each is bound to the recomputed entry of the run it
+    names in another audited bundle (every field compared, as for a bundle's own entries);
+    an entry no audited bundle's runs back is a finding.
 
     Entries resolved here are appended to ``extra`` (backed, for the shipped-export check).
     """
     if extra is None:
         extra = []
-    backing = {(b[0], b[1]): b[2:] for r in results for b in r.backing}
+    index = _backing_index(b for r in results for b in r.backing)
     out = []
     for r in results:
+        seen: dict[tuple[str, str, str], str] = {}
         for file, field, e in r.deferred:
-            got = backing.get((str(e.get("evidence")), str(e.get("config_hash"))))
-            if (
-                got is not None
-                # the exported status is one the backing decision allows (a verified or parity
-                # entry may since have been rejected)
-                and e.get("status") in ALLOWED.get(str(got[0]), ())
-                and same(got[1], e.get("speedup"), *tol)
-                and same(got[2], e.get("noise_band"), *tol)
-                and (got[3] is None or same(got[3], e.get("confidence"), *tol))
-            ):
-                extra.append(dict(e))
-                continue
-            out.append(
-                Finding(
-                    "store_export.unbacked_entry",
-                    file,
-                    field,
-                    "an entry whose evidence run backs it in an audited bundle",
-                    f"{e.get('status')} {e.get('config_hash')} at {'/'.join(map(str, _key(e)))}"
-                    f" (evidence {e.get('evidence')})",
-                    "no audited bundle's runs support this entry",
+            ident = (str(e.get("evidence")), str(e.get("config_hash")))
+            want = index.get(ident)
+            if want is None:
+                out.append(
+                    Finding(
+                        "store_export.unbacked_entry",
+                        file,
+                        field,
+                        "an entry whose evidence run backs it in an audited bundle",
+                        f"{e.get('status')} {e.get('config_hash')} at "
+                        f"{'/'.join(map(str, _key(e)))} (evidence {e.get('evidence')})",
+                        "no audited bundle's runs support this entry",
+                    )
                 )
-            )
+                continue
+            bad = mismatches(e, want, tol, _allowed(want, bool(want.get("legacy"))))
+            out.extend(
+                Finding(
+                    "store_export.field_mismatch", file, f"{field}.{name}", _fmt(expected),
+                    _fmt(found), f"the entry's {name} is not the one recomputed from the runs "
+                    "of the bundle holding its evidence run",
+                )
+                for name, expected, found in bad
+            )  # fmt: skip
+            if bad:
+                continue
+            dup = (file, *ident)
+            if dup in seen:
+                out.append(
+                    Finding(
+                        "store_export.duplicate_entry", file, field, "one entry per decision",
+                        f"a second entry backed by run {ident[0]} (first: {seen[dup]})",
+                        "two exported entries rest on one decision",
+                    )
+                )  # fmt: skip
+                continue
+            seen[dup] = field
+            extra.append(dict(e))
     return out
+
+
+def _fmt(x: Any) -> str:
+    return x if isinstance(x, str) else json.dumps(x, sort_keys=True, default=str)
 
 
 #: File names of shipped store exports (a store export outside any bundle, as the main job
@@ -456,12 +488,27 @@ def shipped_exports(path: Path) -> list[Path]:
     return []
 
 
-#: Fields of a shipped entry that must equal those of the bundle entry it was exported from.
+#: Fields of a shipped entry that must equal those of the bundle entry it was exported from
+#: (for a decode-op entry: those of the decision of its decode bundle, ``decode.decisions``).
 SHIPPED_FIELDS = (
     "op", "dtype", "family", "dims", "tokens", "routing_class", "config", "config_hash",
-    "fingerprint_hash", "status", "speedup", "noise_band", "median_us", "baseline_us",
-    "evidence", "confidence", "validation",
+    "fingerprint_hash", "device_name", "status", "source", "speedup", "noise_band", "median_us",
+    "baseline_us", "evidence", "confidence", "validation",
 )  # fmt: skip
+
+
+def _shipped_mismatches(
+    e: Mapping[str, Any], src: Mapping[str, Any], tol: Tol
+) -> list[tuple[str, Any, Any]]:
+    out = [
+        (name, src.get(name), e.get(name))
+        for name in SHIPPED_FIELDS
+        if name != "validation" and not same(src.get(name), e.get(name), *tol)
+    ]
+    if src.get("op") != "fused_moe" and e.get("evidence") is None:
+        # a decode tune run without an evidence folder names none
+        out = [m for m in out if m[0] != "evidence"]
+    return out + _validation_mismatches(e.get("validation"), src.get("validation"), tol)
 
 
 def check_shipped_export(
@@ -470,7 +517,10 @@ def check_shipped_export(
     resolved: Sequence[dict[str, Any]] = (),
     tol: Tol = TOL,
 ) -> list[Finding]:
-    """Every entry of a shipped export must be an entry some audited bundle backs."""
+    """Every entry of a shipped export is bound to what an audited bundle backs: a fused-MoE
+    entry to the bundle entry of its evidence run and config (itself bound to the runs), a
+    decode-op entry to the closest decision of its op in an audited decode bundle; every
+    field that differs is a finding naming it, and so is an entry nothing backs."""
     label = path.as_posix()
     try:
         doc = json.loads(path.read_bytes())
@@ -485,54 +535,60 @@ def check_shipped_export(
                 "a shipped store export must be an mxdb.store-export document",
             )
         ]  # fmt: skip
-    backed: dict[tuple[Any, ...], list[dict[str, Any]]] = defaultdict(list)
+    backed: dict[tuple[Any, ...], list[Mapping[str, Any]]] = defaultdict(list)
     for e in [e for r in results for e in r.backed] + list(resolved):
-        backed[_shipped_key(e)].append(e)
-    decode = {d for r in results for d in r.decode}
+        backed[_shipped_ident(e)].append(e)
+    for d in (d for r in results for d in r.decode):
+        backed[_shipped_ident(d)].append(d)
     out = []
+    seen: dict[int, str] = {}  # by the decision (bundle entry) that binds an entry
     for i, e in enumerate(doc.get("entries") or []):
         where = f"entries[{i}]"
         if not isinstance(e, dict):
             out.append(Finding("schema.invalid", label, where, "an entry", e, "not an object"))
             continue
-        if e.get("op") != "fused_moe":
-            dims = tuple(sorted((e.get("dims") or {}).items()))
-            impl = (e.get("config") or {}).get("impl")
-            hit = any(
-                d[:4] == (e.get("op"), e.get("dtype"), dims, impl)
-                and same(d[4], e.get("speedup"), *tol)
-                and same(d[5], e.get("noise_band"), *tol)
-                for d in decode
-            )
-            if not hit or e.get("status") != "verified":
-                out.append(
-                    Finding(
-                        "shipped_export.unbacked_entry", label, where,
-                        "a decision of an audited decode-op bundle",
-                        f"{e.get('op')} {impl} at tokens {e.get('tokens')}",
-                        "no audited decode-op bundle decided this entry",
-                    )
-                )  # fmt: skip
-            continue
-        cands = backed.get(_shipped_key(e), [])
+        ident = _shipped_ident(e)
+        cands = backed.get(ident, [])
         if not cands:
             out.append(
                 Finding(
                     "shipped_export.unbacked_entry", label, where,
-                    "an entry that an audited bundle's runs back",
-                    f"{e.get('status')} {e.get('config_hash')} at {'/'.join(map(str, _key(e)))}",
-                    "no audited bundle exports this entry",
+                    "an entry that an audited bundle's runs back (a fused-MoE entry by its "
+                    "evidence run and config, a decode-op entry by its op)",
+                    f"{e.get('status')} {e.get('config_hash')} at {'/'.join(map(str, _key(e)))}"
+                    f" (evidence {e.get('evidence')})",
+                    "no audited bundle backs this entry",
                 )
             )  # fmt: skip
             continue
-        src = next((c for c in cands if c.get("evidence") == e.get("evidence")), cands[0])
-        for name in SHIPPED_FIELDS:
-            if not same(src.get(name), e.get(name), *tol):
-                out.append(
-                    Finding(
-                        "shipped_export.field_mismatch", label, f"{where}.{name}",
-                        str(src.get(name)), str(e.get(name)),
-                        "the shipped entry differs from the bundle entry it came from",
-                    )
-                )  # fmt: skip
+        # the same entry may be exported by several bundles of one tune, and a decode-op
+        # entry is one of its op's decisions: the closest one binds it
+        bad, src = min(
+            ((_shipped_mismatches(e, c, tol), c) for c in cands), key=lambda m: len(m[0])
+        )
+        out.extend(
+            Finding(
+                "shipped_export.field_mismatch", label, f"{where}.{name}", _fmt(want), _fmt(got),
+                "the shipped entry differs from what its bundle backs",
+            )
+            for name, want, got in bad
+        )  # fmt: skip
+        if not bad and id(src) in seen:
+            out.append(
+                Finding(
+                    "shipped_export.duplicate_entry", label, where, "one entry per decision",
+                    f"a second entry of {seen[id(src)]}'s decision",
+                    "two shipped entries rest on one decision",
+                )
+            )  # fmt: skip
+        elif not bad:
+            seen[id(src)] = where
     return out
+
+
+def _shipped_ident(e: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What binds a shipped entry: a fused-MoE entry's evidence run and config; a decode-op
+    entry (which names no run) its op."""
+    if e.get("op") == "fused_moe":
+        return ("run", str(e.get("evidence")), str(e.get("config_hash")))
+    return ("op", str(e.get("op")))

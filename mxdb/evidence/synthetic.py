@@ -196,7 +196,7 @@ def export_of(summary: dict[str, Any], fingerprint: Fingerprint) -> dict[str, An
                 noise_band=g["noise_band"],
                 median_us=g["best_median_us"],
                 baseline_us=g["baseline_median_us"],
-                evidence=summary["milestone"],
+                evidence=g["best_run"],
             ).model_dump(mode="json", exclude={"confidence", "validation"})
         )
     return {

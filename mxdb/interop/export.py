@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from mxdb.errors import InvalidInputError, MxdbError, UsageError
+from mxdb.errors import InvalidInputError, MxdbError, ShapeError, UsageError
 from mxdb.fileio import atomic_write_json, atomic_write_text
 from mxdb.interop import flaggems, tables, vllm
-from mxdb.models import DECIDED_STATUSES, SINGLE_SOURCE, Entry, Fingerprint, utcnow
+from mxdb.models import DECIDED_STATUSES, ROUTING_CLASSES, SINGLE_SOURCE, Entry, Fingerprint, utcnow
 from mxdb.version import __version__
 
 if TYPE_CHECKING:
@@ -196,20 +196,48 @@ def entry_problem(e: Entry) -> str | None:
         return f"config_hash {e.config_hash} is not the hash of its config ({want})"
     if e.dims.get("tokens", e.tokens) != e.tokens:
         return f"dims say tokens={e.dims.get('tokens')} but the entry says {e.tokens}"
-    if e.op == "fused_moe":
-        d = e.dims
-        try:
-            fam = f"E{d['experts']}-H{d['hidden']}-I{d['intermediate']}-k{d['topk']}"
-        except KeyError as exc:
-            return f"dims lack {exc} (experts, hidden, intermediate, topk and tokens)"
-        if fam != e.family:
-            return f"family {e.family} is not that of its dims ({fam})"
+    key = _key_problem(e)
+    if key is not None:
+        return key
     for name in ("speedup", "noise_band", "median_us", "baseline_us"):
         v = getattr(e, name)
         if v is not None and not (math.isfinite(v) and v >= 0):
             return f"{name} {v} is not a finite non-negative number"
     if e.status == "verified" and e.speedup is not None and e.speedup <= 0:
         return f"a verified entry needs a positive speedup, found {e.speedup}"
+    return None
+
+
+def _key_problem(e: Entry) -> str | None:
+    """Why an entry's key is not one the store and dispatcher build: a known op, a canonical
+    dtype, a routing class, and dimensions that make a valid shape of its family."""
+    from mxdb.decode_rule import OP_DIMS
+    from mxdb.shapes import MOE_OP, MoEShape, OpShape, canonical_dtype
+
+    if e.op != MOE_OP and e.op not in OP_DIMS:
+        return f"op {e.op!r} is unknown; use one of {', '.join((MOE_OP, *OP_DIMS))}"
+    try:
+        if canonical_dtype(e.dtype) != e.dtype:
+            return f"dtype {e.dtype!r} is not a canonical name (write {canonical_dtype(e.dtype)})"
+    except ShapeError as exc:
+        return str(exc)
+    if e.routing_class not in ROUTING_CLASSES:
+        return (
+            f"routing class {e.routing_class!r} is unknown; use one of {', '.join(ROUTING_CLASSES)}"
+        )
+    want = (*MoEShape.FIELDS,) if e.op == MOE_OP else (*OP_DIMS[e.op], "tokens")
+    if set(e.dims) != set(want):
+        return f"dims {sorted(e.dims)} are not those of {e.op} ({', '.join(sorted(want))})"
+    try:
+        if e.op == MOE_OP:
+            fam = MoEShape(**e.dims, dtype=e.dtype).family
+        else:
+            rest = {k: v for k, v in e.dims.items() if k != "tokens"}
+            fam = OpShape(e.op, rest, e.tokens, e.dtype).family
+    except ShapeError as exc:
+        return f"dims are not a valid {e.op} shape ({exc})"
+    if fam != e.family:
+        return f"family {e.family} is not that of its dims ({fam})"
     return None
 
 
