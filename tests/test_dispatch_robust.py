@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import mxdb
@@ -121,6 +121,13 @@ def test_a_malformed_tree_is_refused_when_loaded_naming_the_path(
     assert str(path) in str(exc.value) and problem in str(exc.value), exc.value
 
 
+def test_a_tree_of_the_largest_depth_loads_and_answers_within_the_bound() -> None:
+    model = PerfModel.from_doc(with_trees(chain(trees.MAX_DEPTH)), "deepest")
+    disp = Dispatcher(None, H200, DispatchOptions(model=model, refresh_interval=0))
+    decision = bounded(disp.dispatch, NEW, "uniform")
+    assert decision.reason in {"predicted", "prediction_not_confident"}
+
+
 def test_a_million_node_chain_is_refused_when_loaded(tmp_path: Path) -> None:
     n = 1_000_000
     big = tree([i + 1 for i in range(n - 1)] + [-1], [n - 1] * (n - 1) + [-1])
@@ -179,9 +186,7 @@ _TREE = st.integers(1, 10).flatmap(
 _ANY_TREE = _TREE | st.dictionaries(st.sampled_from(trees.TREE_KEYS), _INDEX | st.text()) | _NUMBER
 
 
-@settings(
-    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
+@settings(max_examples=150, deadline=None)
 @given(st.lists(_ANY_TREE, min_size=1, max_size=3))
 def test_dispatch_with_any_generated_forest_returns_within_a_bound(ts: list[Any]) -> None:
     doc = model_doc()
