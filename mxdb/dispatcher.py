@@ -164,6 +164,12 @@ def load_model(model: str | os.PathLike[str] | PerfModel) -> PerfModel:
             "DispatchOptions(model=) takes a path to a performance model's model.json or a "
             f"loaded mxdb.costmodel.model.PerfModel; got {type(model).__name__}"
         )
+    kind = loaded.forest.get("kind")
+    if kind != "forest":  # the confidence is the spread over a forest's trees
+        raise UsageError(
+            f"performance model {loaded.path or '(given loaded)'}: its model is of kind "
+            f"{kind!r}; answering needs a 'forest'"
+        )
     return loaded
 
 

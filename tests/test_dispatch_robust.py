@@ -128,6 +128,17 @@ def test_a_tree_of_the_largest_depth_loads_and_answers_within_the_bound() -> Non
     assert decision.reason in {"predicted", "prediction_not_confident"}
 
 
+def test_a_model_of_another_kind_loads_but_is_not_a_dispatchers(tmp_path: Path) -> None:
+    doc = model_doc()
+    doc["model"] = {"kind": "linear", "n_features": doc["model"]["n_features"],
+                    "coef": [0.0] * doc["model"]["n_features"], "intercept": 0.0}  # fmt: skip
+    path = write_model(tmp_path / "linear", doc=doc)
+    assert PerfModel.load(path).forest["kind"] == "linear"  # the tuner's order takes any kind
+    with pytest.raises(UsageError, match="answering needs a 'forest'") as exc:
+        DispatchOptions(model=path)
+    assert str(path) in str(exc.value)
+
+
 def test_a_million_node_chain_is_refused_when_loaded(tmp_path: Path) -> None:
     n = 1_000_000
     big = tree([i + 1 for i in range(n - 1)] + [-1], [n - 1] * (n - 1) + [-1])

@@ -59,9 +59,8 @@ class PerfModel:
     def __post_init__(self) -> None:
         where = self.path or "the performance model"
         try:
-            if not isinstance(self.forest, Mapping) or self.forest.get("kind") != "forest":
-                kind = self.forest.get("kind") if isinstance(self.forest, Mapping) else None
-                raise UsageError(f"its model is of kind {kind!r}; answering needs a 'forest'")
+            if not isinstance(self.forest, Mapping):
+                raise UsageError(f"its model is a {type(self.forest).__name__}, not an object")
             version_of(self.forest.get("n_features"))
             trees.validate(self.forest)
             _check_calibration(self.calibration)
