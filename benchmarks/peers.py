@@ -294,10 +294,10 @@ def run(a: argparse.Namespace) -> None:
         fps = list(exp.fingerprints.values())
         doc["store_fingerprints"] = [fp.components() for fp in fps]
         live = backend.fingerprint().hash
-        fp = next((f for f in fps if f.hash == live), fps[0] if fps else None)
-        doc["dispatch_fingerprint"] = fp.hash if fp is not None else None
-        doc["dispatch_fingerprint_is_live"] = fp is not None and fp.hash == live
-        dispatcher = Dispatcher(store, fp, DispatchOptions(policy="strict"))
+        fp_or_none = next((f for f in fps if f.hash == live), fps[0] if fps else None)
+        doc["dispatch_fingerprint"] = fp_or_none.hash if fp_or_none is not None else None
+        doc["dispatch_fingerprint_is_live"] = fp_or_none is not None and fp_or_none.hash == live
+        dispatcher = Dispatcher(store, fp_or_none, DispatchOptions(policy="strict"))
     elif a.store_export:
         doc["errors"].append(f"store export {a.store_export} not found: (c) is FlagGems' choice")
     out = Path(a.out)

@@ -59,6 +59,11 @@ REASONS: dict[str, str] = {
     "incumbent (the vLLM table row for this device, which answers instead)",
     "model_error": "the store has not measured this shape family here and the performance model "
     "failed while answering: not answered",
+    "model_unavailable": "the store has not measured this shape family here and the performance "
+    "model named by $MXDB_MODEL could not be loaded (a warning names the path and the problem): "
+    "not answered",
+    "store_error": "the store could not be read (a file that is no longer a database, a table "
+    "dropped, a database unreachable): not answered; read again at the next refresh",
     "healing_fallback": "self-healing moved this key to FlagGems' own choice: every config the "
     "store offers for it measured slower than its baseline here",
 }

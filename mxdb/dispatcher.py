@@ -42,12 +42,23 @@ the row of vLLM's table for this device and shape (imported into the store, else
 mxdb), at level ``incumbent`` with the reason the store gave and ``source`` naming the table
 and row; only where no table covers the device and shape is the answer the fallback (no
 config: FlagGems' default).  ``DispatchOptions(incumbent=False)`` answers the fallback instead.
+
+Nothing a store or a model file holds makes a call raise or hang.  A model file is checked once,
+when it is loaded (:class:`~mxdb.costmodel.model.PerfModel`: trees acyclic, of bounded depth and
+size, of the right shape), so that asking it is bounded.  A store that cannot be read (a file
+overwritten, a table dropped, a database gone) answers the fallback ``store_error``, retried at
+the next refresh; a stored row that cannot be read (a token count that is not an integer, a
+config that does not parse) is never answered (``invalid_entry``).  The process-wide dispatcher
+whose ``$MXDB_MODEL`` cannot be loaded logs a warning and answers the keys the model would have
+been asked with the fallback ``model_unavailable``; one whose default store cannot be opened
+answers ``store_error``.
 """
 
 from __future__ import annotations
 
 import bisect
 import json
+import logging
 import math
 import os
 import sys
@@ -57,7 +68,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from mxdb.decision import EXACT, INCUMBENT, NEIGHBOUR, PREDICTED, Decision, fallback
 from mxdb.errors import MxdbError, UsageError
@@ -78,6 +89,25 @@ CONFIDENCE_EXACT = 1.0
 MODEL_DTYPE = "bf16"
 #: The environment variable naming the performance model of the default options.
 MODEL_ENV = "MXDB_MODEL"
+
+log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+
+class _StoreFailed(Exception):
+    """A store read failed while resolving a key: the key's answer is ``store_error``."""
+
+
+def _row_ok(row: DispatchRow) -> bool:
+    """Whether a stored row's fields have the types the rule compares (a row edited behind
+    mxdb's back may hold any SQLite value)."""
+    return (
+        type(row.tokens) is int
+        and row.tokens >= 1
+        and type(row.id) is int
+        and isinstance(row.routing_class, str)
+        and (row.speedup is None or type(row.speedup) in (int, float))
+    )
 
 
 @dataclass(frozen=True)
@@ -129,7 +159,8 @@ def load_model(model: str | os.PathLike[str] | PerfModel) -> PerfModel:
     """A performance model from a ``model.json`` path (or its bundle folder), checked for what
     the dispatcher needs; a loaded :class:`~mxdb.costmodel.model.PerfModel` is checked as is.
 
-    Raises :class:`~mxdb.errors.UsageError` naming the path and what is wrong.
+    Raises :class:`~mxdb.errors.UsageError` naming the path and what is wrong (the checks:
+    :class:`~mxdb.costmodel.model.PerfModel`).
     """
     from mxdb.costmodel.model import PerfModel
 
@@ -139,42 +170,19 @@ def load_model(model: str | os.PathLike[str] | PerfModel) -> PerfModel:
         path = Path(model)
         if path.is_dir() and (path / "model.json").is_file():
             path = path / "model.json"
-        loaded = PerfModel.load(path)
+        loaded = PerfModel.load(path)  # checked once, here: answering is then bounded
     else:
         raise UsageError(
             "DispatchOptions(model=) takes a path to a performance model's model.json or a "
             f"loaded mxdb.costmodel.model.PerfModel; got {type(model).__name__}"
         )
-    problem = _model_problem(loaded)
-    if problem is not None:
-        raise UsageError(f"performance model {loaded.path or '(given loaded)'}: {problem}")
+    kind = loaded.forest.get("kind")
+    if kind != "forest":  # the confidence is the spread over a forest's trees
+        raise UsageError(
+            f"performance model {loaded.path or '(given loaded)'}: its model is of kind "
+            f"{kind!r}; answering needs a 'forest'"
+        )
     return loaded
-
-
-def _model_problem(model: PerfModel) -> str | None:
-    """What makes ``model`` unusable for answering, or None."""
-    from mxdb.costmodel.features import version_of
-
-    forest = model.forest
-    if not isinstance(forest, Mapping):
-        return f"its model is a {type(forest).__name__}, not an object"
-    if forest.get("kind") != "forest":
-        return f"its model is of kind {forest.get('kind')!r}; answering needs a 'forest'"
-    try:
-        version_of(forest.get("n_features"))
-    except UsageError as exc:
-        return str(exc)
-    trees = forest.get("trees")
-    if not isinstance(trees, list) or not trees:
-        return "its forest has no trees"
-    cal = model.calibration
-    try:
-        float(cal["a"]), float(cal["b"])
-    except (KeyError, TypeError, ValueError):
-        return "its calibration lacks the numbers 'a' and 'b'"
-    if not model.fingerprint_hash:
-        return "it names no fingerprint_hash"
-    return None
 
 
 @dataclass
@@ -224,7 +232,13 @@ class Dispatcher:
         self._imported: dict[tuple[str, str | None], Any] = {}
         #: the components of the model's fingerprint, from its bundle's fingerprint.json
         self._model_fp: Fingerprint | None = _UNREAD
-        self._generation = store.generation() if store is not None else 0
+        #: why the store or the model could not be opened (default_dispatcher), else None:
+        #: the keys they would answer are the fallbacks store_error and model_unavailable
+        self._unavailable: str | None = None
+        self._model_unavailable: str | None = None
+        #: keys answered ``store_error``: dropped at the next refresh, so they are retried
+        self._errored: set[tuple[Any, Any]] = set()
+        self._generation = self._read_generation()
         #: refresh_interval == 0: check the generation synchronously on every call
         self._sync = self.options.refresh_interval == 0
         self._stop = threading.Event()
@@ -255,10 +269,27 @@ class Dispatcher:
         with self._lock:
             if self.store is None:
                 return
-            generation = self.store.generation()
+            self._retry_errored()
+            generation = self._read_generation()
             if generation != self._generation:
                 self._generation = generation
                 self._invalidate()
+
+    def _read_generation(self) -> int:
+        """The store's generation, or -1 when it cannot be read (the keys resolved meanwhile
+        answer ``store_error``; a store readable again differs, and drops them)."""
+        try:
+            return self.store.generation() if self.store is not None else 0
+        except Exception:
+            return -1
+
+    def _retry_errored(self) -> None:
+        """Drop the cached ``store_error`` decisions, so that their keys read the store again."""
+        if self._errored:
+            for key in self._errored:
+                if key not in self._overrides:
+                    self._cache.pop(key, None)
+            self._errored = set()
 
     def _start_refresher(self) -> None:
         self._stop.clear()
@@ -284,6 +315,9 @@ class Dispatcher:
         """
         if self.store is None:
             return False
+        if self._errored:
+            with self._lock:
+                self._retry_errored()
         generation = self.store.generation()
         if generation == self._generation:
             return False
@@ -327,6 +361,7 @@ class Dispatcher:
             self._match_cache = shadow._match_cache
             self._validations = shadow._validations
             self._imported = shadow._imported
+            self._errored |= shadow._errored
             self._generation = generation
         return True
 
@@ -341,8 +376,8 @@ class Dispatcher:
     def refresh(self) -> None:
         """Drop every cached decision now (the next calls re-read the store)."""
         with self._lock:
-            if self.store is not None:
-                self._generation = self.store.generation()
+            self._generation = self._read_generation()
+            self._errored = set()
             self._invalidate()
 
     # -- overrides and ranked alternatives (online self-healing) ---------------------------
@@ -381,6 +416,14 @@ class Dispatcher:
             return []
         if first.level == PREDICTED:
             return [first]  # no stored row of this family matches here
+        try:
+            return self._alternatives(first, shape, routing, limit)
+        except _StoreFailed:  # the store cannot be read now: the first answer alone
+            return [first]
+
+    def _alternatives(
+        self, first: Decision, shape: Any, routing: Any, limit: int
+    ) -> list[Decision]:
         with self._lock:
             fam = self._family(shape.op, shape.dtype, shape.family)
             assert fam is not None
@@ -388,7 +431,7 @@ class Dispatcher:
             near = {routing_class, *ADJACENT_CLASSES[routing_class]}
             ranked: dict[str, tuple[float, float, int, DispatchRow]] = {}
             for r in fam.rows:
-                if r.routing_class not in near or r.status != "verified":
+                if r.routing_class not in near or r.status != "verified" or not _row_ok(r):
                     continue
                 if r.config_hash == first.config.hash:
                     continue
@@ -439,15 +482,22 @@ class Dispatcher:
             decision = self.resolve(shape, routing)
             # Only hashable, immutable keys are cached (strings, None, frozen features).
             self._cache[(shape, routing)] = decision
+            if decision.reason == "store_error":
+                self._errored.add((shape, routing))
             return decision
 
     def resolve(self, shape: Any, routing: Any = None) -> Decision:
         """Work out the decision without the per-key cache (the family rows are still cached).
 
         What the store and the model do not answer (a fallback) is answered by the incumbent's
-        table row where one exists for this device and shape (:meth:`_incumbent`).
+        table row where one exists for this device and shape (:meth:`_incumbent`); a store
+        that cannot be read answers ``store_error`` (never an exception).
         """
-        decision = self._resolve(shape, routing)
+        try:
+            decision = self._resolve(shape, routing)
+        except _StoreFailed as exc:
+            log.debug("store_error: %s", exc.__cause__ or exc)
+            decision = fallback("store_error")
         # a baseline record measured FlagGems' choice against every candidate there, the
         # incumbent's row among them (the tuner times it as a peer row): its answer stands
         if (
@@ -474,8 +524,8 @@ class Dispatcher:
             if self.store is not None:
                 try:
                     tables = imported_tables(self.store, shape.dtype, device)
-                except MxdbError:
-                    tables = {}  # a store that cannot be read: the shipped tables answer
+                except Exception:  # a store that cannot be read: the shipped tables answer
+                    tables = {}
             self._imported[key] = tables
         try:
             inc = incumbent(shape, device, tables)
@@ -491,7 +541,7 @@ class Dispatcher:
             source=inc.describe(),
         )
 
-    def _resolve(self, shape: Any, routing: Any = None) -> Decision:
+    def _resolve(self, shape: Any, routing: Any) -> Decision:
         if not all(hasattr(shape, a) for a in ("op", "dtype", "family", "tokens")):
             raise UsageError(
                 f"dispatch needs a shape such as mxdb.MoEShape(experts=, hidden=, intermediate=, "
@@ -519,13 +569,17 @@ class Dispatcher:
         fallback): asked only where the store has not measured the family here, for bf16 and a
         model whose fingerprint matches; otherwise the store's decision stands."""
         model = self._model
-        if model is None or not isinstance(shape, MoEShape) or shape.dtype != MODEL_DTYPE:
+        if model is None and self._model_unavailable is None:
+            return store_decision
+        if not isinstance(shape, MoEShape) or shape.dtype != MODEL_DTYPE:
             return store_decision
         if fam is not None and fam.rows:
             if fam.measured_here is None:
                 fam.measured_here = any(self._fingerprint_ok(r.fingerprint_hash) for r in fam.rows)
             if fam.measured_here:
                 return store_decision
+        if model is None:
+            return fallback("model_unavailable")
         if not self._fingerprint_ok(model.fingerprint_hash):
             return store_decision
         key = (shape, routing_class)
@@ -586,9 +640,13 @@ class Dispatcher:
         ok_of: dict[str | None, bool] = {}
         best: dict[str, dict[int, DispatchRow]] = {}
         any_verified = False
+        invalid = False
         for row in fam.rows:
             row_id, tokens, routing_class, _, fp_hash, status, speedup = row
             if status not in DECIDED_STATUSES:
+                continue
+            if not _row_ok(row):  # never answered, and never compared with the others
+                invalid = True
                 continue
             any_verified = True
             ok = ok_of.get(fp_hash)
@@ -615,6 +673,8 @@ class Dispatcher:
                 fam.empty_reason = "stale" if stale_here else "no_verified_entry"
             else:
                 fam.empty_reason = "stale" if stale_here else "fingerprint_mismatch"
+            if invalid and not stale_here:
+                fam.empty_reason = "invalid_entry"
         index: dict[str, tuple[list[int], list[DispatchRow]]] = {}
         for routing_class, by_tokens in best.items():
             toks = sorted(by_tokens)
@@ -734,10 +794,7 @@ class Dispatcher:
         cached = self._validations.get(row_id)
         if cached is None:
             assert self.store is not None
-            try:
-                cached = self.store.entry_validation(row_id)
-            except MxdbError:
-                cached = (None, None)
+            cached = self._read(self.store.entry_validation, row_id)
             self._validations[row_id] = cached
         return cached
 
@@ -747,7 +804,7 @@ class Dispatcher:
         config = self._configs.get(key)
         if config is None:
             assert self.store is not None
-            config = parse_config(op, json.loads(self.store.entry_config(row.id)))
+            config = parse_config(op, json.loads(self._read(self.store.entry_config, row.id)))
             self._configs[key] = config
         return config
 
@@ -769,10 +826,20 @@ class Dispatcher:
         fam = self._families.get(key)
         if fam is None:
             if self.store is None:
+                if self._unavailable is not None:
+                    raise _StoreFailed(self._unavailable)
                 return None
-            fam = _Family(rows=self.store.family_rows(op, dtype, family))
+            fam = _Family(rows=self._read(self.store.family_rows, op, dtype, family))
             self._families[key] = fam
         return fam
+
+    def _read(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """``fn(*args)``, a store read; any failure (a StoreError, or a raw driver error such
+        as sqlite3's on a file that is no longer a database) is a :class:`_StoreFailed`."""
+        try:
+            return fn(*args)
+        except Exception as exc:
+            raise _StoreFailed(str(exc)) from exc
 
     def _fingerprint_ok(self, fingerprint_hash: str | None) -> bool:
         if fingerprint_hash is None or self.fingerprint is None:
@@ -794,7 +861,7 @@ class Dispatcher:
         model's own) from the model bundle's ``fingerprint.json``."""
         if self.store is not None:
             if self._fingerprints is None:
-                self._fingerprints = self.store.fingerprints()
+                self._fingerprints = self._read(self.store.fingerprints)
             other = self._fingerprints.get(fingerprint_hash)
             if other is not None:
                 return other
@@ -932,10 +999,33 @@ def default_dispatcher() -> Dispatcher:
     if _default is None:
         with _default_lock:
             if _default is None:
-                from mxdb.store import Store
-
-                _default = Dispatcher(Store.open(None), current_fingerprint(), default_options())
+                _default = _open_default()
     return _default
+
+
+def _open_default() -> Dispatcher:
+    """The dispatcher on the default store with :func:`default_options`; a store or a
+    ``$MXDB_MODEL`` that cannot be opened is a warning, and its keys answer fallbacks
+    (``store_error``, ``model_unavailable``) rather than the first call raising."""
+    from mxdb.store import Store
+
+    model_problem = store_problem = None
+    try:
+        options = default_options()
+    except UsageError as exc:
+        model_problem = str(exc)
+        log.warning("%s; mxdb.dispatch answers without it (fallback model_unavailable)", exc)
+        options = DispatchOptions()
+    store: Store | None = None
+    try:
+        store = Store.open(None)
+    except Exception as exc:  # a raw driver error too: the first call must not raise
+        store_problem = str(exc)
+        log.warning("%s; mxdb.dispatch answers the fallback store_error", exc)
+    d = Dispatcher(store, current_fingerprint(), options)
+    d._model_unavailable = model_problem
+    d._unavailable = store_problem
+    return d
 
 
 def dispatch(shape: Any, routing: Any = None) -> Decision:

@@ -135,9 +135,9 @@ def test_model_predict_errors(tmp_path: Path) -> None:
     ]}  # fmt: skip
     broken = write_model(tmp_path / "broken", doc=doc)
     res = run("model", "predict", str(broken), *NEW_ARGS, "--json")
-    assert res.exit_code == 1
+    assert res.exit_code == 2  # refused when loaded: a split reads a feature rows do not have
     err = json.loads(res.stdout)["error"]
-    assert str(broken) in err["message"] and "failed" in err["message"]
+    assert str(broken) in err["message"] and "reads a feature outside 0..40" in err["message"]
 
 
 # -- mxdb model train ----------------------------------------------------------------------

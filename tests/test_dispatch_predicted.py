@@ -283,15 +283,16 @@ def test_a_choice_the_gate_refuses_is_prediction_not_confident(
     )  # fmt: skip
 
 
-def test_a_model_that_fails_is_model_error_and_never_raises(store: Store, tmp_path: Path) -> None:
-    doc = model_doc()
-    # a forest whose split reads a feature the rows do not have: loads, fails when answering
-    doc["model"] = {**doc["model"], "trees": [
-        {"left": [1, -1, -1], "right": [2, -1, -1], "feature": [10_000, 0, 0],
-         "threshold": [0.0, 0.0, 0.0], "value": [0.0, 0.1, 0.2]}
-    ]}  # fmt: skip
-    path = write_model(tmp_path / "broken", doc=doc)
-    disp = dispatcher(store, path)
+def test_a_model_that_fails_is_model_error_and_never_raises(store: Store, model_path: Path) -> None:
+    class Failing(PerfModel):
+        """A model that passes the checks of loading and fails when answering."""
+
+        def answer(self, shape: MoEShape, routing_class: str) -> Choice | None:
+            raise FloatingPointError("the forest cannot be evaluated")
+
+    m = PerfModel.load(model_path)
+    failing = Failing(m.forest, m.calibration, m.gate, m.fingerprint_hash, m.families, m.path)
+    disp = dispatcher(store, failing)
     for _ in range(2):
         d = disp.dispatch(NEW, "uniform")
         assert (d.level, d.reason, d.config) == ("fallback", "model_error", None)

@@ -1290,7 +1290,7 @@ def _even_share(family: str) -> float | None:
     from mxdb.shapes import family_shape
 
     try:
-        return 1.0 / family_shape(family, 1).experts
+        return 1.0 / int(family_shape(family, 1).experts)
     except ShapeError:
         return None
 
