@@ -238,7 +238,7 @@ def test_an_unloadable_mxdb_model_answers_model_unavailable_and_warns(
     monkeypatch.setenv("MXDB_MODEL", str(bad))
     with caplog.at_level(logging.WARNING, logger="mxdb.dispatcher"):
         decision = bounded(mxdb.dispatch, NEW, "uniform")
-    assert (decision.level, decision.reason) == ("fallback", "model_unavailable")
+    assert (decision.is_fallback, decision.reason) == (True, "model_unavailable")
     assert any(str(bad) in r.getMessage() and "$MXDB_MODEL" in r.getMessage()
                for r in caplog.records)  # fmt: skip
     # the store still answers what it measured, and a non-bf16 call is never the model's
@@ -287,7 +287,7 @@ def test_a_row_whose_token_count_is_not_an_integer_is_invalid_entry(
         conn.execute("DELETE FROM entries WHERE tokens = 64")
     d = sync(db)
     decision = d.dispatch(SHAPE, "uniform")
-    assert (decision.level, decision.reason) == ("fallback", "invalid_entry")
+    assert (decision.is_fallback, decision.reason) == (True, "invalid_entry")
 
 
 def test_an_overwritten_store_file_is_store_error(db: Path) -> None:
@@ -298,7 +298,7 @@ def test_an_overwritten_store_file_is_store_error(db: Path) -> None:
     assert d.store is not None
     d.store.close()  # the next read opens a connection on what the file now holds
     decision = d.dispatch(SHAPE, "uniform")
-    assert (decision.level, decision.reason) == ("fallback", "store_error")
+    assert (decision.is_fallback, decision.reason) == (True, "store_error")
     assert d.resolve(SHAPE, "hot").reason == "store_error"
 
 
@@ -335,5 +335,5 @@ def test_an_unopenable_default_store_answers_store_error_and_warns(
     monkeypatch.delenv("MXDB_MODEL", raising=False)
     with caplog.at_level(logging.WARNING, logger="mxdb.dispatcher"):
         decision = mxdb.dispatch(SHAPE, "uniform")
-    assert (decision.level, decision.reason) == ("fallback", "store_error")
+    assert (decision.is_fallback, decision.reason) == (True, "store_error")
     assert any(str(db) in r.getMessage() for r in caplog.records)
