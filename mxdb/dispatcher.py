@@ -79,6 +79,7 @@ from mxdb.shapes import MOE_OP, MoEShape
 if TYPE_CHECKING:
     from mxdb.configs import KernelConfig
     from mxdb.costmodel.model import PerfModel
+    from mxdb.incumbent import Incumbent
     from mxdb.store import DispatchRow, Store
 
 
@@ -514,6 +515,23 @@ class Dispatcher:
         itself where there is no table row (the incumbent is then FlagGems' default)."""
         if not isinstance(shape, MoEShape) or decision.reason == "unknown_routing_class":
             return decision
+        try:
+            inc = self._incumbent_of(shape)
+        except (MxdbError, ValueError, OSError):
+            return decision  # a shipped table that cannot be read: FlagGems' default
+        if not inc.is_table_row:
+            return decision
+        return Decision(
+            config=inc.config,
+            level=INCUMBENT,
+            confidence=0.0,
+            reason=decision.reason,
+            source=inc.describe(),
+        )
+
+    def _incumbent_of(self, shape: MoEShape) -> Incumbent:
+        """The incumbent for ``shape`` on this dispatcher's device: the store's imported
+        tables (read once per dtype, kept until the next refresh), then the shipped ones."""
         from mxdb.incumbent import imported_tables, incumbent
 
         device = self.fingerprint.device_name if self.fingerprint is not None else None
@@ -527,19 +545,7 @@ class Dispatcher:
                 except Exception:  # a store that cannot be read: the shipped tables answer
                     tables = {}
             self._imported[key] = tables
-        try:
-            inc = incumbent(shape, device, tables)
-        except (MxdbError, ValueError, OSError):
-            return decision  # a shipped table that cannot be read: FlagGems' default
-        if not inc.is_table_row:
-            return decision
-        return Decision(
-            config=inc.config,
-            level=INCUMBENT,
-            confidence=0.0,
-            reason=decision.reason,
-            source=inc.describe(),
-        )
+        return incumbent(shape, device, tables)
 
     def _resolve(self, shape: Any, routing: Any) -> Decision:
         if not all(hasattr(shape, a) for a in ("op", "dtype", "family", "tokens")):
@@ -598,11 +604,8 @@ class Dispatcher:
         incumbent's table row too (the model is a prior: where it is unsure it beats what the
         user runs today, the key answers that); else the fallback
         ``prediction_not_over_incumbent``, which the incumbent's row then answers."""
-        from mxdb.incumbent import incumbent
-
-        device = self.fingerprint.device_name if self.fingerprint is not None else None
         try:
-            inc = incumbent(shape, device)
+            inc = self._incumbent_of(shape)
             if not inc.is_table_row or inc.config.hash == decision.config.hash:
                 return decision
             from mxdb.costmodel.train import predicted_over

@@ -160,8 +160,3 @@ def incumbent(
     from mxdb.tune.space import flaggems_default
 
     return Incumbent(flaggems_default(shape), DEFAULT)
-
-
-def incumbent_config(shape: MoEShape, device_name: str | None) -> KernelConfig:
-    """The incumbent's config alone (no imported tables)."""
-    return incumbent(shape, device_name).config
